@@ -13,6 +13,7 @@ import json
 import math
 import shutil
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -55,6 +56,7 @@ class Config:
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay (not on biases and LayerNorm)"})
     warmup_ratio: float = field(default=0.06, metadata={"help": "fraction of steps of linear warm-up"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm"})
+    pad_to_max_length: bool = field(default=False, metadata={"help": "pad every batch to max_length (not dynamic)"})
     eval_steps: Optional[int] = field(default=None, metadata={"help": "also evaluate every N optimizer steps"})
     data_parallel: bool = field(default=False, metadata={"help": "wrap in nn.DataParallel over visible GPUs"})
     record_ranks: bool = field(default=False, metadata={"help": "write ranks/rank<i>.json: sample ids, param sums"})
@@ -96,7 +98,8 @@ def get_dataloaders(cfg: Config, accelerator: Accelerator, tokenizer):
         train_ds = prepare_split(train_raw, cfg.max_train_samples, "training")
         eval_ds = prepare_split(eval_raw, cfg.max_eval_samples, "validation")
 
-    collate = DataCollatorWithPadding(tokenizer)
+    collate = DataCollatorWithPadding(tokenizer, padding="max_length" if cfg.pad_to_max_length else "longest",
+                                      max_length=cfg.max_length)
     sampler = common.EvenShardBatchSampler(len(train_ds), cfg.per_device_train_batch_size,
                                            accelerator.num_processes, cfg.seed)
     train_dl = torch.utils.data.DataLoader(train_ds, batch_sampler=sampler, collate_fn=collate)
@@ -136,8 +139,8 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_dl, eval_dl, samp
     # a partial window or a short last batch is the exact mean over its samples, as one large batch would give.
     window_samples = [sum(sampler.sizes[w * accum:(w + 1) * accum]) for w in range(windows_per_epoch)]
     progress = tqdm(total=total_steps, disable=not accelerator.is_local_main_process, desc="train")
-    seen_ids, step, last_eval = [], 0, None
-    window_loss = torch.zeros((), device=accelerator.device)
+    seen_ids, step, last_eval, start = [], 0, None, time.perf_counter()
+    window_sums = torch.zeros(2, device=accelerator.device)  # loss sum, non-pad tokens: one all-reduce per step
     for epoch in range(math.ceil(total_steps / windows_per_epoch)):
         sampler.set_epoch(epoch)
         for micro, batch in enumerate(train_dl):
@@ -149,7 +152,7 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_dl, eval_dl, samp
                 loss_sum = F.cross_entropy(logits.float(), labels, reduction="sum")
                 # Accelerate divides by `accum` and the gradient all-reduce by `world`; undo both, divide by count.
                 accelerator.backward(loss_sum * (accum * world / n_window))
-                window_loss += loss_sum.detach()
+                window_sums += torch.stack([loss_sum.detach(), batch["attention_mask"].sum()])
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 optimizer.step()
@@ -159,9 +162,11 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_dl, eval_dl, samp
             lr = scheduler.get_last_lr()[0]  # the rate this step used
             scheduler.step()
             step += 1
-            loss = accelerator.reduce(window_loss, reduction="sum").item() / n_window
-            window_loss.zero_()
-            record = {"step": step, "epoch": epoch, "loss": loss, "lr": lr}
+            loss_total, tokens = accelerator.reduce(window_sums, reduction="sum").tolist()
+            window_sums.zero_()
+            loss = loss_total / n_window
+            record = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "samples": n_window,
+                      "tokens": int(tokens), "elapsed": time.perf_counter() - start}
             accelerator.log({"train/loss": loss, "train/lr": record["lr"]}, step=step)
             if accelerator.is_main_process:
                 common.append_jsonl(out / "metrics.jsonl", record)
@@ -177,7 +182,7 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_dl, eval_dl, samp
                 break
     progress.close()
     if cfg.record_ranks:
-        common.write_rank_record(out, accelerator, model, seen_ids)
+        common.write_rank_record(out, accelerator, model, optimizer, seen_ids)
     return last_eval
 
 

@@ -294,10 +294,14 @@ def tracker_config(config: dict) -> dict:
     return {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))}
 
 
-def write_rank_record(out: Path, accelerator, model, seen_ids) -> None:
-    """ranks/rank<i>.json: the sample ids this rank trained on, in order, and a float64 sum of each parameter."""
+def write_rank_record(out: Path, accelerator, model, optimizer, seen_ids) -> None:
+    """ranks/rank<i>.json: the sample ids this rank trained on, in order, a float64 sum of each parameter as this
+    rank holds it, and the memory this rank holds (see memstats.py)."""
+    import memstats
+
     sums = {name: float(p.detach().double().sum()) for name, p in model.named_parameters()}
     folder = out / "ranks"
     folder.mkdir(parents=True, exist_ok=True)
-    record = {"rank": accelerator.process_index, "sample_ids": seen_ids, "param_sums": sums}
+    record = {"rank": accelerator.process_index, "sample_ids": seen_ids, "param_sums": sums,
+              "memory": memstats.rank_memory(model, optimizer, accelerator.device)}
     (folder / f"rank{accelerator.process_index}.json").write_text(json.dumps(record))
