@@ -3,6 +3,9 @@ PY      := .venv/bin/python
 LAUNCH  := .venv/bin/accelerate launch
 OFFLINE := artifacts/tiny-roberta
 OUT     ?= runs/demo
+# The offline paths never need the Hub; saying so up front skips its connection retries on machines without network.
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
 
 .PHONY: demo test venv offline-model bench clean
 

@@ -65,6 +65,7 @@ class Config:
 
 def parse_config(argv=None) -> Config:
     parser = HfArgumentParser(Config)
+    parser.allow_abbrev = False  # a typo such as --learning_rat must fail, not silently set --learning_rate
     cfg, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown:
         raise RecipeError(f"unknown arguments: {' '.join(unknown)}")
@@ -77,12 +78,10 @@ def get_dataloaders(cfg: Config, accelerator: Accelerator, tokenizer):
         common.check_columns(ds, cfg, split)
     names = common.label_names(train_raw, eval_raw, cfg.label_column)
     to_id = {name: i for i, name in enumerate(names)}
-    string_labels = train_raw.features[cfg.label_column].dtype == "string"
 
     def encode(batch, indices):
         enc = tokenizer(batch[cfg.text_column], truncation=True, max_length=cfg.max_length)
-        labels = batch[cfg.label_column]
-        enc["labels"] = [to_id[v] for v in labels] if string_labels else labels
+        enc["labels"] = [to_id[v] if isinstance(v, str) else v for v in batch[cfg.label_column]]
         enc["sample_id"] = indices
         return enc
 
@@ -138,6 +137,9 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_dl, eval_dl, samp
     # Samples per optimizer step on all ranks: the loss is a sum over samples divided by this count, so a step over
     # a partial window or a short last batch is the exact mean over its samples, as one large batch would give.
     window_samples = [sum(sampler.sizes[w * accum:(w + 1) * accum]) for w in range(windows_per_epoch)]
+    model.train()  # from_pretrained returns a model in eval mode
+    if cfg.record_ranks:
+        common.record_forward_dtypes(model)
     progress = tqdm(total=total_steps, disable=not accelerator.is_local_main_process, desc="train")
     seen_ids, step, last_eval, start = [], 0, None, time.perf_counter()
     window_sums = torch.zeros(2, device=accelerator.device)  # loss sum, non-pad tokens: one all-reduce per step
@@ -207,6 +209,7 @@ def main(cfg: Config) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path)
     train_dl, eval_dl, sampler, names = get_dataloaders(cfg, accelerator, tokenizer)
     model = build_model(cfg, names)
+    common.check_launch(cfg, model)
     model = common.maybe_data_parallel(model, cfg, accelerator)
 
     no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight")

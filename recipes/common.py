@@ -10,6 +10,7 @@ import math
 import os
 import platform
 import random
+import sys
 from importlib import resources
 from pathlib import Path
 
@@ -243,7 +244,10 @@ def make_accelerator(cfg):
 
     on_cpu = not torch.cuda.is_available()
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true"
-    group = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout), backend="gloo" if on_cpu else None)
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false") == "true"
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1  # a backend given to a single process makes it wait
+    gloo = on_cpu and launched
+    group = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout), backend="gloo" if gloo else None)
     accelerator = Accelerator(
         cpu=on_cpu and not deepspeed,  # cpu=True would replace the DeepSpeed launch by plain MULTI_CPU
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
@@ -252,9 +256,43 @@ def make_accelerator(cfg):
         project_dir=cfg.output_dir,
         kwargs_handlers=[group],
     )
+    if on_cpu and fsdp:
+        rehearse_fsdp_on_cpu(accelerator)
     if cfg.data_parallel and accelerator.num_processes > 1:
         raise RecipeError("--data_parallel runs in one process: use `python recipes/cls.py`, not a multi-process launch")
     return accelerator
+
+
+def rehearse_fsdp_on_cpu(accelerator) -> None:
+    """Turn the MULTI_CPU state of a CPU-only FSDP launch into the FSDP state a GPU launch gets.
+
+    Accelerate 1.15.0 sets up FSDP only for accelerator device types (MULTI_GPU, MULTI_XPU, ...), so an FSDP launch
+    without GPUs silently becomes plain MULTI_CPU data parallelism, while torch's `fully_shard` itself trains on CPU
+    with gloo. Here the state is switched to FSDP with the plugin the launcher's FSDP_* environment describes, so
+    `accelerator.prepare` takes the very code path of a GPU run. The distributed type must be set in PartialState's
+    shared state too: every new AcceleratorState() copies it from there. Only reached when no GPU is visible.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* variables set by `accelerate launch`
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+
+
+def check_launch(cfg, model) -> None:
+    """Run scripts/check_config.py's checks on this launch (env made by `accelerate launch`, flags, model)."""
+    from dataclasses import asdict
+
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    from check_config import check_launch_env
+
+    problems = check_launch_env(dict(os.environ), asdict(cfg), model)
+    if problems:
+        raise RecipeError("launch config: " + "; ".join(problems))
 
 
 def maybe_data_parallel(model, cfg, accelerator):
@@ -303,5 +341,37 @@ def write_rank_record(out: Path, accelerator, model, optimizer, seen_ids) -> Non
     folder = out / "ranks"
     folder.mkdir(parents=True, exist_ok=True)
     record = {"rank": accelerator.process_index, "sample_ids": seen_ids, "param_sums": sums,
+              "dtypes": {**getattr(model, "_forward_dtypes", {}), **optimizer_dtypes(optimizer)},
               "memory": memstats.rank_memory(model, optimizer, accelerator.device)}
     (folder / f"rank{accelerator.process_index}.json").write_text(json.dumps(record))
+
+
+def record_forward_dtypes(model) -> None:
+    """Remember, on the first forward, the dtype the first Linear computes in and the dtype of its weight then.
+
+    Under FSDP2 the weight seen in forward is the gathered (bf16) copy, under DeepSpeed the engine's bf16 module,
+    under autocast the fp32 parameter with a bf16 output: together they show what precision really ran.
+    """
+    linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+    def hook(module, inputs, output):
+        model._forward_dtypes = {"forward_weight": str(module.weight.dtype), "forward_output": str(output.dtype)}
+        handle.remove()
+
+    handle = linear.register_forward_hook(hook)
+
+
+def optimizer_dtypes(optimizer) -> dict:
+    """dtypes of the parameters the innermost torch optimizer updates (the master weights) and of its state.
+
+    Accelerate wraps the optimizer, DeepSpeed wraps it again around its fp32 partitions: follow `.optimizer` down.
+    """
+    inner = optimizer
+    while hasattr(inner, "optimizer") and not isinstance(inner, torch.optim.Optimizer):
+        inner = inner.optimizer
+    while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+        inner = inner.optimizer
+    params = [p for group in inner.param_groups for p in group["params"]]
+    states = [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
+    return {"master_params": sorted({str(p.dtype) for p in params}),
+            "optimizer_state": sorted({str(t.dtype) for t in states})}

@@ -1,41 +1,111 @@
-"""Memory held by one rank: model-state bytes (parameters, gradients, optimizer state) and peaks.
+"""Memory held by one rank: model-state bytes split into parameters, gradients and optimizer state, and peaks.
 
-Model-state bytes are counted from the tensors the rank really holds, whatever wraps them (DDP, FSDP2 DTensor
-shards, DeepSpeed ZeRO partitions): every live tensor is found through the garbage collector and each storage is
-counted once. Called after the last optimizer step, when activations are freed.
+Bytes are counted from the tensors the rank really holds, whatever wraps them (DDP, FSDP2 DTensor shards, DeepSpeed
+ZeRO partitions and flat buffers): every live tensor is found through the garbage collector and each storage is
+counted once, in the first of these groups that reaches it:
+
+- parameters: the model's parameters as this rank stores them (a DTensor's local shard, a ZeRO-3 partition
+  `ds_tensor` plus whatever is gathered at that moment);
+- gradients: `.grad` of the model's parameters and of the parameters the innermost optimizer updates;
+- optimizer_state: the innermost optimizer's state (Adam moments) and its parameters when they are not the model's
+  (fp32 master weights of ZeRO / mixed precision);
+- other: every other live tensor (DeepSpeed gradient partitions and reduce buckets, buffers, the last batch).
+
+`rank_memory` is called after training (see common.write_rank_record), when `optimizer.zero_grad()` has set the
+`.grad`s to None: the record shows what a rank keeps between optimizer steps, which is what
+scripts/memory_model.py predicts as "resident". Tensors that live only in C++ (DDP's gradient buckets) are not
+visible to the garbage collector; on CUDA, `cuda_allocated_bytes` counts them too.
 """
 from __future__ import annotations
 
 import gc
 import resource
 import sys
+import warnings
 
 import torch
 
 
-def live_tensor_bytes(device_type: str) -> int:
-    """Bytes of all distinct tensor storages alive in this process on `device_type`."""
-    seen, total = set(), 0
-    for obj in gc.get_objects():
-        try:
-            if not torch.is_tensor(obj) or obj.device.type != device_type:
+def _storage(tensor):
+    """(key, nbytes, device type) of the storage behind `tensor`, or None when it has none (meta, wrapper)."""
+    local = getattr(tensor, "_local_tensor", None)  # a DTensor wraps the local shard, which owns the storage
+    if local is not None:
+        tensor = local
+    try:
+        storage = tensor.untyped_storage()
+        if storage.nbytes() == 0 or tensor.device.type == "meta":
+            return None
+        return (tensor.device.type, storage.data_ptr()), storage.nbytes()
+    except Exception:  # tensors half torn down, or subclasses without a storage
+        return None
+
+
+def live_storages() -> dict:
+    """{(device type, data_ptr): nbytes} of every distinct tensor storage alive in this process."""
+    found = {}
+    with warnings.catch_warnings():  # isinstance() on deprecated module proxies warns
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            try:
+                is_tensor = torch.is_tensor(obj)
+            except Exception:
                 continue
-            storage = obj.untyped_storage()
-        except Exception:  # objects half torn down, or tensor subclasses without a storage
-            continue
-        key = storage.data_ptr()
-        if key in seen or storage.nbytes() == 0:
-            continue
-        seen.add(key)
-        total += storage.nbytes()
-    return total
+            if is_tensor:
+                entry = _storage(obj)
+                if entry is not None:
+                    found[entry[0]] = entry[1]
+    return found
+
+
+def innermost_optimizer(optimizer):
+    """The torch optimizer that holds the state, under Accelerate's and DeepSpeed's wrappers."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _groups(model, optimizer) -> dict:
+    """Tensors of each group, in counting order."""
+    params = list(model.parameters())
+    inner = innermost_optimizer(optimizer)
+    state = getattr(inner, "state", {})
+    # ZeRO-3 empties param_groups outside its step; the state is still keyed by the fp32 master partitions.
+    opt_params = [p for group in getattr(inner, "param_groups", []) for p in group["params"]]
+    opt_params += [p for p in state if torch.is_tensor(p)]
+    states = [v for s in state.values() if isinstance(s, dict) for v in s.values()]
+    # A DTensor the optimizer updates is an FSDP2 shard of the model's own parameter: while a unit is gathered
+    # (the root after evaluation) the module holds the unsharded tensor and only the optimizer reaches the shard.
+    shards = [p for p in opt_params if hasattr(p, "_local_tensor")]
+    return {
+        "parameters": params + shards + [p.ds_tensor for p in params if getattr(p, "ds_tensor", None) is not None],
+        "gradients": [p.grad for p in params + opt_params if p.grad is not None],
+        "optimizer_state": [t for t in states if torch.is_tensor(t)] + opt_params,
+    }
 
 
 def rank_memory(model, optimizer, device: torch.device) -> dict:
     gc.collect()
-    record = {"live_tensor_bytes": live_tensor_bytes(device.type)}
+    live = live_storages()
+    record, counted = {}, set()
+    for name, tensors in _groups(model, optimizer).items():
+        total = 0
+        for tensor in tensors:
+            entry = _storage(tensor)
+            if entry is None or entry[0] in counted or entry[0] not in live:
+                continue
+            counted.add(entry[0])
+            total += entry[1]
+        record[f"{name}_bytes"] = total
+    record["other_bytes"] = sum(n for key, n in live.items() if key not in counted)
+    record["live_tensor_bytes"] = sum(live.values())
+    record["live_tensor_bytes_by_device"] = {}
+    for (device_type, _), n in live.items():
+        by_device = record["live_tensor_bytes_by_device"]
+        by_device[device_type] = by_device.get(device_type, 0) + n
+    # The whole process at its peak: interpreter, libraries, activations, model state.
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     record["peak_rss_bytes"] = peak_kib * (1 if sys.platform == "darwin" else 1024)
     if device.type == "cuda":
+        record["cuda_allocated_bytes"] = torch.cuda.memory_allocated(device)
         record["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
     return record

@@ -1,0 +1,531 @@
+"""Every strategy side by side on the same work, against the baselines users would pick instead.
+
+    make bench                 # quick: the tiny model in fp32, every strategy + baselines (~10 min on 2 CPU cores)
+    make bench BENCH=full      # + roberta-base and roberta-large shapes (random init) in bf16, for GPU machines
+
+Each run trains the same data, seed, number of optimizer steps and effective batch; throughput counts the steps after
+a warm-up, from the recipe's metrics.jsonl (elapsed, samples, tokens). Runs go to runs/bench/<model>_<run>; the
+results to results/<date>_<device>_<host>.{md,json,png}, and README.md's block between the bench markers.
+
+Runs per model: the recipe under each shipped strategy config (multi-process ones on every GPU, or 2 CPU processes),
+`python recipes/cls.py --data_parallel` where more than one GPU is visible, and three baselines on one process:
+a hand-written PyTorch loop and transformers.Trainer (scripts/bench_baselines.py), and the recipe padding every
+batch to 128 tokens (--pad_to_max_length) instead of to the longest sequence. A launch that fails is reported with
+its error and skipped. Model-state bytes per rank are measured by recipes/memstats.py after training and compared
+with scripts/memory_model.py's prediction for the same strategy, world size and precision.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "recipes"))
+sys.path.insert(0, str(REPO / "scripts"))
+import memory_model  # noqa: E402
+
+PYTHON = sys.executable
+ACCELERATE = str(Path(sys.executable).parent / "accelerate")
+STRATEGIES = ("single", "ddp", "fsdp", "zero2", "zero3", "zero2_offload", "zero3_offload", "dataparallel")
+BASELINES = ("loop", "trainer", "pad128")
+README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
+MIB = 1024**2
+
+
+@dataclass
+class ModelSpec:
+    name: str  # the run-name prefix
+    path: str  # model folder
+    random_init: bool  # architecture-only folder: build from its config
+    precision: str  # fp32 or bf16, for every run of this model
+    learning_rate: float
+
+
+@dataclass
+class Profile:
+    models: list
+    steps: int = 40  # optimizer steps of every run: one epoch over steps x batch_size samples
+    warmup_steps: int = 5  # first steps left out of throughput (allocation, first gathers, caches)
+    batch_size: int = 32  # effective batch per optimizer step, shared by the processes of a run
+    eval_samples: int = 256
+    run_timeout: int = 900  # seconds before a run is killed and reported as timed out
+
+
+TINY = ModelSpec("tiny", "artifacts/tiny-roberta", False, "fp32", 1e-3)
+PROFILES = {
+    "quick": Profile(models=[TINY]),
+    "full": Profile(models=[TINY, ModelSpec("roberta-base", "artifacts/roberta-base-shape", True, "bf16", 2e-5),
+                            ModelSpec("roberta-large", "artifacts/roberta-large-shape", True, "bf16", 2e-5)],
+                    steps=60, warmup_steps=10, run_timeout=1800),
+}
+
+
+@dataclass
+class Run:
+    model: str
+    name: str  # strategy or baseline
+    kind: str  # "strategy" or "baseline"
+    status: str = "ok"  # ok, failed, skipped, timeout
+    reason: str = ""
+    world: int = 1
+    precision: str = "fp32"
+    threads: int = 0  # OMP_NUM_THREADS of each process
+    samples_per_s: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+    step_time_s: Optional[float] = None
+    state_measured: Optional[int] = None  # model-state bytes per rank: the largest rank, after training
+    state_predicted: Optional[int] = None  # memory_model's prediction on the same basis
+    memory_ratio: Optional[float] = None
+    peak_rss: Optional[int] = None  # peak resident set of the largest process (whole process, not model state)
+    cuda_max_allocated: Optional[int] = None
+    accuracy: Optional[float] = None
+    final_loss: Optional[float] = None
+    wall_s: Optional[float] = None  # the whole launch, start-up and evaluation included
+    breakdown: dict = field(default_factory=dict)
+    command: list = field(default_factory=list)
+    run_dir: str = ""
+    run_config: dict = field(default_factory=dict)
+    ds_config: Optional[dict] = None
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_jsonl(path: Path) -> list:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def throughput(metrics: list, warmup_steps: int) -> dict:
+    """samples/s, tokens/s and seconds per step over the steps after the warm-up."""
+    if len(metrics) <= warmup_steps:
+        raise ValueError(f"{len(metrics)} steps recorded, need more than the {warmup_steps} warm-up steps")
+    origin = metrics[warmup_steps - 1]["elapsed"] if warmup_steps else 0.0
+    timed = metrics[warmup_steps:]
+    seconds = timed[-1]["elapsed"] - origin
+    samples = sum(r["samples"] for r in timed)
+    tokens = sum(r["tokens"] for r in timed)
+    return {"samples_per_s": samples / seconds, "tokens_per_s": tokens / seconds, "step_time_s": seconds / len(timed)}
+
+
+def failure_reason(log: str) -> str:
+    """The child's exception line, not the launcher's CalledProcessError that follows it."""
+    lines = [ln.strip() for ln in log.splitlines()
+             if re.match(r"^\s*[\w.]*(Error|Exception|Interrupt)\b", ln) and "CalledProcessError" not in ln]
+    return lines[-1][:300] if lines else (log.strip().splitlines() or ["no output"])[-1][:300]
+
+
+def ds_config_for(strategy: str, precision: str, runs_dir: Path) -> tuple[dict, Path]:
+    """The shipped DeepSpeed JSON with bf16 switched to the run's precision, written beside the runs."""
+    config = memory_model.load_ds_config(strategy)
+    config["bf16"] = {"enabled": precision == "bf16"}
+    path = runs_dir / "ds_configs" / f"{strategy}_{precision}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    return config, path
+
+
+def plan_command(run: Run, spec: ModelSpec, profile: Profile, run_dir: Path, runs_dir: Path, recipe: str,
+                 n_gpus: int) -> list:
+    """The command line of one run; sets run.world, run.precision and run.ds_config."""
+    run.precision = spec.precision
+    run.world = world_of(run.name, n_gpus)
+    if profile.batch_size % run.world:
+        raise ValueError(f"batch size {profile.batch_size} does not split over {run.world} processes")
+    train_samples = profile.steps * profile.batch_size
+    common = ["--model_name_or_path", spec.path, "--output_dir", str(run_dir), "--seed", "42",
+              "--max_train_samples", str(train_samples), "--max_eval_samples", str(profile.eval_samples),
+              "--learning_rate", str(spec.learning_rate)] + (["--random_init"] if spec.random_init else [])
+    if run.name in ("loop", "trainer"):
+        return [PYTHON, "scripts/bench_baselines.py", run.name, *common, "--batch_size", str(profile.batch_size),
+                "--precision", spec.precision]
+    recipe_args = [recipe, *common, "--max_train_steps", str(profile.steps), "--record_ranks",
+                   "--per_device_train_batch_size", str(profile.batch_size // run.world)]
+    if run.name == "pad128":
+        recipe_args += ["--pad_to_max_length", "--max_length", "128"]
+    if run.name == "dataparallel":
+        return [PYTHON, *recipe_args, "--data_parallel"]
+    strategy = "single" if run.name == "pad128" else run.name
+    launch = [ACCELERATE, "launch", "--config_file", f"accelerate_configs/{strategy}.yaml",
+              "--num_processes", str(run.world), "--main_process_port", str(free_port())]
+    if strategy.startswith("zero"):  # the JSON holds the precision; --mixed_precision beside it is an error
+        run.ds_config, path = ds_config_for(strategy, spec.precision, runs_dir)
+        launch += ["--deepspeed_config_file", str(path)]
+    else:
+        launch += ["--mixed_precision", "bf16" if spec.precision == "bf16" else "no"]
+    return [*launch, *recipe_args]
+
+
+def world_of(name: str, n_gpus: int) -> int:
+    """Processes of a run: multi-process strategies on every GPU, or 2 CPU processes; the rest one process."""
+    multi = name in STRATEGIES and name not in ("single", "dataparallel")
+    return (n_gpus or 2) if multi else 1
+
+
+def skip_reason(run: Run, n_gpus: int) -> str:
+    if run.name == "dataparallel" and n_gpus < 2:
+        return f"needs more than one visible GPU ({n_gpus} visible)"
+    return ""
+
+
+def execute(run: Run, command: list, run_dir: Path, profile: Profile, env: dict) -> None:
+    """Run one command in its own process group, log to run_dir/launch.log, set status, reason and wall time."""
+    run.command = command
+    log_path = run_dir / "launch.log"
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=profile.run_timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started
+            proc.wait()
+            run.status, run.reason = "timeout", f"killed after {profile.run_timeout} s"
+    run.wall_s = time.perf_counter() - start
+    if run.status == "ok" and proc.returncode != 0:
+        run.status, run.reason = "failed", failure_reason(log_path.read_text(errors="replace"))
+
+
+def strategy_of(run: Run) -> str:
+    """The memory-model strategy a run is predicted as."""
+    return run.name if run.name in memory_model.STRATEGIES and run.name != "single" else "single"
+
+
+def collect(run: Run, run_dir: Path, profile: Profile, shape: memory_model.ModelShape) -> None:
+    """Throughput, accuracy, memory (measured vs predicted) and the resolved config of a finished run."""
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    if len(metrics) != profile.steps:
+        run.status, run.reason = "failed", f"{len(metrics)} of {profile.steps} steps recorded"
+        return
+    for key, value in throughput(metrics, profile.warmup_steps).items():
+        setattr(run, key, value)
+    run.final_loss = metrics[-1]["loss"]
+    evals = read_jsonl(run_dir / "eval.jsonl")
+    run.accuracy = evals[-1]["accuracy"] if evals else None
+    run.run_config = json.loads((run_dir / "run_config.json").read_text())
+    ranks = [json.loads(p.read_text())["memory"] for p in sorted((run_dir / "ranks").glob("rank*.json"))]
+    if not ranks:
+        return
+    largest = max(ranks, key=lambda m: m["live_tensor_bytes"])
+    run.state_measured = largest["live_tensor_bytes"]
+    run.peak_rss = max(m["peak_rss_bytes"] for m in ranks)
+    run.cuda_max_allocated = max((m.get("cuda_max_allocated_bytes", 0) for m in ranks), default=0) or None
+    parts = memory_model.predict(strategy_of(run), shape, run.world, run.precision, ds_config=run.ds_config)
+    predicted = memory_model.totals(parts)
+    run.state_predicted = predicted["after_eval"]
+    run.memory_ratio = run.state_measured / run.state_predicted
+    # memstats cannot tell DeepSpeed's gradient buffers from its buckets: both land in "other"
+    run.breakdown = {
+        "parameters": [largest["parameters_bytes"], predicted["parameters_after_eval"]],
+        "optimizer_state": [largest["optimizer_state_bytes"], predicted["optimizer_state_after_eval"]],
+        "gradients_and_other": [largest["gradients_bytes"] + largest["other_bytes"],
+                                predicted["gradients_after_eval"] + predicted["buffers_after_eval"]],
+    }
+
+
+def run_env(widest: int) -> dict:
+    """The environment of every run. Each process gets the same intra-op threads, the cores divided by the processes
+    of the widest run, so no run oversubscribes the CPU (on a shared machine an OpenMP thread that loses its core
+    stalls every step) and one-process runs compare on equal terms; without this, accelerate launch would give each
+    process 1 thread and a plain `python` run every core."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // widest)),
+            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+            "HF_DATASETS_OFFLINE": os.environ.get("HF_DATASETS_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}
+
+
+def format_row(run: Run, mem_label: str) -> str:
+    def num(value, fmt):
+        return format(value, fmt) if value is not None else "-"
+
+    peak = run.cuda_max_allocated if mem_label == "CUDA max alloc" else run.peak_rss
+    if run.status != "ok":
+        return f"{run.model:<14}{run.name:<15}{run.status}: {run.reason}"
+    return (f"{run.model:<14}{run.name:<15}{run.world:>3}{run.precision:>6}{num(run.samples_per_s, '10.1f')}"
+            f"{num(run.tokens_per_s, '10.0f')}{num(run.step_time_s, '9.3f')}"
+            f"{num(run.state_measured and run.state_measured / MIB, '11.2f')}"
+            f"{num(run.state_predicted and run.state_predicted / MIB, '11.2f')}{num(run.memory_ratio, '7.3f')}"
+            f"{num(peak and peak / MIB, '10.0f')}{num(run.accuracy, '7.3f')}{num(run.wall_s, '7.0f')}")
+
+
+def header(mem_label: str) -> str:
+    return (f"{'model':<14}{'run':<15}{'np':>3}{'prec':>6}{'samples/s':>10}{'tokens/s':>10}{'s/step':>9}"
+            f"{'state MiB':>11}{'predicted':>11}{'ratio':>7}{mem_label[:10]:>10}{'acc':>7}{'wall s':>7}")
+
+
+def ratios(runs: list) -> dict:
+    """Per model: the recipe against the baselines, on seconds per step after warm-up."""
+    out = {}
+    for model in dict.fromkeys(r.model for r in runs):
+        ok = {r.name: r for r in runs if r.model == model and r.status == "ok"}
+        single = ok.get("single")
+        entry = {}
+        if single and "loop" in ok:
+            entry["recipe_vs_hand_loop_time"] = single.step_time_s / ok["loop"].step_time_s
+        if single and "trainer" in ok:
+            entry["trainer_vs_recipe_time"] = ok["trainer"].step_time_s / single.step_time_s
+        if single and "pad128" in ok:
+            entry["pad128_vs_dynamic_time"] = ok["pad128"].step_time_s / single.step_time_s
+            entry["accuracy_dynamic"] = single.accuracy
+            entry["accuracy_pad128"] = ok["pad128"].accuracy
+        entry["memory_measured_vs_predicted"] = {r.name: r.memory_ratio for r in ok.values() if r.memory_ratio}
+        out[model] = entry
+    return out
+
+
+def hardware() -> dict:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    if Path("/proc/cpuinfo").exists():
+        names = [ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                 if ln.startswith("model name")]
+        cpu = names[0] if names else cpu
+    info = {"host": socket.gethostname().split(".")[0], "cpu": cpu, "cpu_cores": os.cpu_count(),
+            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
+    if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        info["memory_gib"] = round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1024**3, 1)
+    info["device"] = info["gpus"][0] if info["gpus"] else "cpu"
+    return info
+
+
+def run_bench(profile: Profile, strategies=STRATEGIES, baselines=BASELINES, runs_dir: Path = REPO / "runs" / "bench",
+              recipe: str = "recipes/cls.py", log=print) -> dict:
+    """Every run of the profile, one after the other; prints each run's line when it ends. Returns the results."""
+    import common
+
+    n_gpus = visible_gpus()
+    mem_label = "CUDA max alloc" if n_gpus else "peak RSS"
+    started = dt.datetime.now()
+    log(f"bench: {len(profile.models)} model(s) x {len(strategies) + len(baselines)} runs, {profile.steps} steps "
+        f"({profile.warmup_steps} warm-up), batch {profile.batch_size}; state MiB per rank (measured, predicted); "
+        f"{mem_label} MiB of the largest process")
+    log(header(mem_label))
+    runs = []
+    widest = max(world_of(name, n_gpus) for name in (*strategies, *baselines))
+    for spec in profile.models:
+        shape = memory_model.shape_from_model(str(REPO / spec.path))
+        for name in (*strategies, *baselines):
+            run = Run(model=spec.name, name=name, kind="baseline" if name in BASELINES else "strategy")
+            run_dir = runs_dir / f"{spec.name}_{name}"
+            run.run_dir = str(run_dir.relative_to(REPO) if run_dir.is_relative_to(REPO) else run_dir)
+            run.reason = skip_reason(run, n_gpus)
+            if run.reason:
+                run.status = "skipped"
+            else:
+                shutil.rmtree(run_dir, ignore_errors=True)  # no records of an earlier run may be read as this one's
+                run_dir.mkdir(parents=True)
+                command = plan_command(run, spec, profile, run_dir, runs_dir, recipe, n_gpus)
+                env = run_env(widest)
+                run.threads = int(env["OMP_NUM_THREADS"])
+                if name in ("loop", "trainer") and n_gpus > 1:
+                    env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+                execute(run, command, run_dir, profile, env)
+                if run.status == "ok":
+                    collect(run, run_dir, profile, shape)
+            runs.append(run)
+            log(format_row(run, mem_label))
+    work = {spec.name: {"model": spec.path, "random_init": spec.random_init, "precision": spec.precision,
+                        "learning_rate": spec.learning_rate, "steps": profile.steps,
+                        "warmup_steps": profile.warmup_steps, "effective_batch": profile.batch_size,
+                        "train_samples": profile.steps * profile.batch_size, "eval_samples": profile.eval_samples,
+                        "max_length": 128, "seed": 42} for spec in profile.models}
+    return {"date": started.strftime("%Y-%m-%d"), "started": started.isoformat(timespec="seconds"),
+            "duration_s": (dt.datetime.now() - started).total_seconds(), "hardware": hardware(),
+            "versions": common.library_versions(), "memory_label": mem_label, "work": work,
+            "runs": [asdict(r) for r in runs], "ratios": ratios(runs)}
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown_table(results: dict) -> str:
+    label = results["memory_label"]
+    lines = [f"| model | run | procs | precision | samples/s | tokens/s | s/step | model state MiB/rank | predicted "
+             f"| measured/predicted | {label} MiB | accuracy |",
+             "|---|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in results["runs"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['model']} | {r['name']} | | | {r['status']}: {r['reason']} | | | | | | | |")
+            continue
+        peak = r["cuda_max_allocated"] if label == "CUDA max alloc" else r["peak_rss"]
+        lines.append(
+            f"| {r['model']} | {r['name']} | {r['world']} | {r['precision']} | {fmt(r['samples_per_s'], '.1f')} "
+            f"| {fmt(r['tokens_per_s'], '.0f')} | {fmt(r['step_time_s'], '.3f')} "
+            f"| {fmt(r['state_measured'] and r['state_measured'] / MIB, '.2f')} "
+            f"| {fmt(r['state_predicted'] and r['state_predicted'] / MIB, '.2f')} | {fmt(r['memory_ratio'], '.3f')} "
+            f"| {fmt(peak and peak / MIB, '.0f')} | {fmt(r['accuracy'], '.3f')} |")
+    return "\n".join(lines)
+
+
+def ratio_lines(results: dict) -> list:
+    lines = []
+    for model, entry in results["ratios"].items():
+        parts = []
+        if "recipe_vs_hand_loop_time" in entry:
+            parts.append(f"recipe / hand-written loop time per step **{entry['recipe_vs_hand_loop_time']:.3f}x** "
+                         f"(target <= 1.05)")
+        if "trainer_vs_recipe_time" in entry:
+            parts.append(f"Trainer / recipe **{entry['trainer_vs_recipe_time']:.3f}x**")
+        if "pad128_vs_dynamic_time" in entry:
+            parts.append(f"pad-to-128 / dynamic padding **{entry['pad128_vs_dynamic_time']:.3f}x** (accuracy "
+                         f"{fmt(entry['accuracy_pad128'], '.3f')} padded vs {fmt(entry['accuracy_dynamic'], '.3f')} "
+                         f"dynamic)")
+        if parts:
+            lines.append(f"- {model}: " + "; ".join(parts))
+    return lines
+
+
+def render_markdown(results: dict, chart_name: str) -> str:
+    hw, v = results["hardware"], results["versions"]
+    gpus = ", ".join(hw["gpus"]) or "none"
+    lines = [f"# Benchmark {results['date']}: {hw['device']} on {hw['host']}", "",
+             f"`{results.get('command', 'scripts/bench.py')}`, started {results['started']}, took "
+             f"{results['duration_s'] / 60:.1f} min.", "",
+             f"Hardware: {hw['cpu']}, {hw['cpu_cores']} cores, {hw.get('memory_gib', '?')} GiB RAM; GPUs: {gpus}.",
+             "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()) + ".", "", "## Work", ""]
+    for model, w in results["work"].items():
+        lines.append(f"- {model}: `{w['model']}`{' (random init)' if w['random_init'] else ''}, {w['precision']}, "
+                     f"{w['steps']} optimizer steps of {w['effective_batch']} samples ({w['train_samples']} samples, "
+                     f"one epoch, seed {w['seed']}), throughput after {w['warmup_steps']} warm-up steps, lr "
+                     f"{w['learning_rate']}, eval on {w['eval_samples']} samples.")
+    lines += ["", "## Results", "", markdown_table(results), "",
+              "Model state: bytes of all live tensors on the largest rank after training and the final evaluation "
+              "(recipes/memstats.py), against scripts/memory_model.py on the same basis. "
+              f"{results['memory_label']}: the whole process (interpreter, libraries, activations), not model state.",
+              "", "## Ratios", "", *ratio_lines(results), "", f"![throughput and memory]({chart_name})", "",
+              "## Memory breakdown (MiB per rank, measured / predicted)", "",
+              "| model | run | parameters | optimizer state | gradients + other buffers |", "|---|---|--:|--:|--:|"]
+    for r in results["runs"]:
+        b = r["breakdown"]
+        if b:
+            cells = " | ".join(f"{b[k][0] / MIB:.2f} / {b[k][1] / MIB:.2f}"
+                               for k in ("parameters", "optimizer_state", "gradients_and_other"))
+            lines.append(f"| {r['model']} | {r['name']} | {cells} |")
+    lines += ["", "The resolved configuration of every run (run_config.json, and the DeepSpeed JSON it used) is in "
+              "the .json file beside this one."]
+    return "\n".join(lines) + "\n"
+
+
+def render_chart(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(results["work"])
+    fig, axes = plt.subplots(len(models), 2, figsize=(13, 3.8 * len(models)), squeeze=False)
+    for row, model in zip(axes, models):
+        runs = [r for r in results["runs"] if r["model"] == model and r["status"] == "ok"]
+        names = [r["name"] for r in runs]
+        x = range(len(runs))
+        row[0].bar(x, [r["samples_per_s"] for r in runs],
+                   color=["tab:blue" if r["kind"] == "strategy" else "tab:gray" for r in runs])
+        row[0].set_title(f"{model}: throughput after warm-up (gray: baselines)")
+        row[0].set_ylabel("samples / s")
+        measured = [(r["state_measured"] or 0) / MIB for r in runs]
+        predicted = [(r["state_predicted"] or 0) / MIB for r in runs]
+        row[1].bar([i - 0.2 for i in x], measured, width=0.4, label="measured", color="tab:green")
+        row[1].bar([i + 0.2 for i in x], predicted, width=0.4, label="predicted", color="tab:olive")
+        row[1].set_yscale("log")
+        row[1].set_title(f"{model}: model state per rank (largest rank)")
+        row[1].set_ylabel("MiB (log)")
+        row[1].legend()
+        for ax in row:
+            ax.set_xticks(list(x))
+            ax.set_xticklabels(names, rotation=30, ha="right")
+            ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"make bench {results['date']}: {results['hardware']['device']} on {results['hardware']['host']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_results(results: dict, results_dir: Path) -> dict:
+    """results/<date>_<device>_<host>.{json,md,png}; returns their paths."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    hw = results["hardware"]
+    stem = f"{results['date']}_{slug(hw['device'])}_{slug(hw['host'])}"
+    paths = {ext: results_dir / f"{stem}.{ext}" for ext in ("json", "md", "png")}
+    paths["json"].write_text(json.dumps(results, indent=2) + "\n")
+    render_chart(results, paths["png"])
+    paths["md"].write_text(render_markdown(results, paths["png"].name))
+    return paths
+
+
+def update_readme(readme: Path, results: dict, paths: dict) -> bool:
+    """Replace the block between the bench markers with the latest table; False (and a note) when there is none."""
+    if not readme.exists():
+        print(f"note: {readme.name} does not exist yet; the bench block is not written")
+        return False
+    text = readme.read_text()
+    if README_START not in text or README_END not in text:
+        print(f"note: {readme.name} has no {README_START} ... {README_END} markers; the bench block is not written")
+        return False
+    def link(path: Path) -> str:
+        return os.path.relpath(path, readme.parent)
+
+    block = "\n".join([
+        README_START,
+        f"Latest `make bench` ({results['date']}, {results['hardware']['device']}, "
+        f"[full results]({link(paths['md'])})):", "", markdown_table(results), "", *ratio_lines(results), "",
+        f"![throughput and memory]({link(paths['png'])})", README_END])
+    head, rest = text.split(README_START, 1)
+    readme.write_text(head + block + rest.split(README_END, 1)[1])
+    return True
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="quick")
+    parser.add_argument("--strategies", nargs="*", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument("--baselines", nargs="*", choices=BASELINES, default=list(BASELINES))
+    parser.add_argument("--precision", choices=("fp32", "bf16"), help="override every model's precision")
+    parser.add_argument("--recipe", default="recipes/cls.py", help="the recipe to launch (to compare two versions)")
+    parser.add_argument("--runs_dir", default=str(REPO / "runs" / "bench"))
+    parser.add_argument("--results_dir", default=str(REPO / "results"))
+    parser.add_argument("--readme", default=str(REPO / "README.md"))
+    args = parser.parse_args(argv)
+    profile = PROFILES[args.profile]
+    if args.precision:
+        for spec in profile.models:
+            spec.precision = args.precision
+    results = run_bench(profile, args.strategies, args.baselines, Path(args.runs_dir).resolve(), args.recipe)
+    results["command"] = "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    paths = write_results(results, Path(args.results_dir))
+    print("\n".join(["", *ratio_lines(results), ""]))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    update_readme(Path(args.readme), results, paths)
+
+
+if __name__ == "__main__":
+    main()

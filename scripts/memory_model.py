@@ -1,0 +1,231 @@
+"""Predict the model-state bytes one rank holds under each strategy: parameters, gradients, optimizer state, buffers.
+
+    python scripts/memory_model.py --model_name_or_path artifacts/roberta-large-shape --num_processes 8 --precision bf16
+    python scripts/memory_model.py --num_params 355e6 --num_processes 8 --precision bf16
+
+Prints GiB per rank for each strategy, like `accelerate estimate-memory` but for training state. Activations, the
+CUDA context and the unsharded parameters FSDP / ZeRO-3 gather for one layer at a time are not included.
+
+The ZeRO paper counts mixed-precision Adam as 16 bytes per parameter (2 bf16 weights + 2 bf16 grads + K=12: 4 fp32
+master + 8 fp32 moments); fp32 Adam is 16 as well (4 + 4 + 8). What each library keeps is not always that split.
+Every rule below was read in the source of the pinned versions (torch 2.13.0, accelerate 1.15.0, deepspeed 0.19.8)
+and checked against recipes/memstats.py on CPU (scripts/bench.py prints the ratio for every run):
+
+DDP (Accelerate, also one process): parameters stay fp32 and bf16 is torch.autocast, which casts weights per op and
+  frees the casts with the activations, so fp32 or bf16 hold the same 4 B params + 4 B grads + 8 B Adam. Gradients
+  exist from backward to `zero_grad(set_to_none=True)`. DDP's reducer also keeps gradient buckets as large as the
+  gradients (gradient_as_bucket_view=False) in C++, out of sight of memstats' garbage-collector walk.
+DeepSpeed ZeRO-2 (DeepSpeedZeroOptimizer): the module is cast to the compute dtype (2 B in bf16, 4 B in fp32) and
+  kept whole; the optimizer owns an fp32 clone of this rank's 1/N partition (made even when the model is fp32) and
+  Adam's moments of it. Gradients are reduced in the compute dtype (grad_accum_dtype unset), so DeepSpeed keeps no
+  full fp32 gradient: during the step a compute-dtype partition plus its fp32 copy exist and are freed after it.
+  With contiguous_gradients it allocates (1 + overlap_comm) reduce buckets of reduce_bucket_size elements for
+  backward and frees them after the reduction. offload_optimizer moves master, moments and a pinned fp32 gradient
+  partition to the host for good, plus a compute-dtype staging copy of the partition and two staging buffers of the
+  largest parameter's size (one on the host, one on the device).
+DeepSpeed ZeRO-3 (DeepSpeedZeroOptimizer_Stage3): each parameter keeps a 1/N partition in the compute dtype;
+  parameters of at most stage3_param_persistence_threshold elements also stay whole on every rank ("persistent").
+  Others are gathered around their module's forward/backward and kept while they will be reused within
+  stage3_max_reuse_distance elements, so after a forward-only pass (evaluation) they stay gathered until the next
+  step. A gradient partition buffer in the compute dtype lives for the whole run, and so does one reduce bucket of
+  reduce_bucket_size elements (contiguous_gradients). The fp32 gradient of the partition exists during the step,
+  or for good on the host with offload_optimizer. offload_param moves the non-persistent partitions to the host.
+FSDP2 (Accelerate's fully_shard): parameters stay sharded fp32 DTensors (4 B / N); bf16 is a
+  MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) that gathers bf16 copies one unit at a time.
+  Gradients are reduce-scattered in bf16 and stored as sharded fp32 (4 B / N) until zero_grad; Adam's moments are
+  sharded (8 B / N). Accelerate makes a unit of each fsdp_transformer_layer_cls_to_wrap layer and of the input
+  embedding (both freed after forward) and leaves the rest (position embeddings, pooler, classifier) to the root
+  unit, which torch keeps gathered from forward to the end of backward: after a forward-only pass (evaluation) it
+  stays gathered until the next step. Dim-0 padding of each shard (< N rows) is ignored.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+GIB = 1024**3
+STRATEGIES = ("single", "ddp", "zero2", "zero2_offload", "zero3", "zero3_offload", "fsdp")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+
+
+@dataclass
+class ModelShape:
+    num_params: int
+    param_numels: Optional[list] = None  # elements of each parameter tensor, when known (ZeRO-3 persistence)
+    fsdp_root_params: int = 0  # elements FSDP2's root unit holds: outside the wrapped layers and input embedding
+
+    def persistent(self, threshold: int) -> int:
+        """Elements in parameters that ZeRO-3 keeps whole (numel <= threshold); 0 when the shapes are unknown."""
+        return sum(n for n in self.param_numels or [] if n <= threshold)
+
+    def largest(self) -> int:
+        return max(self.param_numels or [0])
+
+
+@dataclass
+class Part:
+    name: str  # parameters, gradients, optimizer_state or buffers (the groups recipes/memstats.py reports)
+    what: str  # one line saying which tensor this is
+    nbytes: int
+    where: str = "device"  # "device" (the accelerator, or the CPU when there is none) or "host" (offloaded)
+    resident: bool = True  # kept between optimizer steps; False: only from backward to the end of the step
+    visible: bool = True  # a Python tensor memstats can find; False: held in C++ (DDP's buckets)
+    after_eval: bool = False  # not resident, but a forward-only pass leaves it allocated (ZeRO-3 gathers)
+
+
+def fsdp_wrapped_layers() -> list:
+    """The layer classes accelerate_configs/fsdp.yaml makes FSDP units of."""
+    import yaml
+
+    config = yaml.safe_load((REPO_ROOT / "accelerate_configs" / "fsdp.yaml").read_text())
+    return [c.strip() for c in config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"].split(",")]
+
+
+def shape_from_model(name_or_path: str, num_labels: int = 2) -> ModelShape:
+    """Parameter shapes of a sequence classifier, built on the meta device: no weights loaded, no memory used."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(name_or_path, num_labels=num_labels)
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config)
+    numels = [p.numel() for p in model.parameters()]
+    units = [m for m in model.modules() if type(m).__name__ in fsdp_wrapped_layers()]
+    units.append(model.get_input_embeddings())
+    in_units = {id(p) for unit in units for p in unit.parameters()}
+    root = sum(p.numel() for p in model.parameters() if id(p) not in in_units)
+    return ModelShape(num_params=sum(numels), param_numels=numels, fsdp_root_params=root)
+
+
+def load_ds_config(strategy: str) -> dict:
+    return json.loads((REPO_ROOT / "ds_configs" / f"{strategy}.json").read_text())
+
+
+def predict(strategy: str, shape: ModelShape, world: int, precision: str, optimizer_states: int = 2,
+            ds_config: Optional[dict] = None) -> list[Part]:
+    """The parts one rank holds. `ds_config` defaults to ds_configs/<strategy>.json for DeepSpeed strategies; its
+    "bf16" switch is ignored in favour of `precision`, which is what the launch really used."""
+    P, N, b = shape.num_params, world, DTYPE_BYTES[precision]
+    shard = math.ceil(P / N)
+    moments = 4 * optimizer_states  # fp32 state tensors per parameter: Adam's exp_avg and exp_avg_sq
+    if strategy in ("single", "ddp"):
+        parts = [Part("parameters", "fp32 parameters", 4 * P),
+                 Part("gradients", "fp32 gradients", 4 * P, resident=False),
+                 Part("optimizer_state", "optimizer moments", moments * P)]
+        if N > 1:
+            parts.append(Part("buffers", "DDP gradient buckets (C++)", 4 * P, visible=False))
+        return parts
+    if strategy == "fsdp":
+        return [Part("parameters", "fp32 parameter shards", 4 * shard),
+                Part("parameters", f"gathered {precision} root unit", b * shape.fsdp_root_params, resident=False,
+                     after_eval=True),
+                Part("gradients", "fp32 gradient shards", 4 * shard, resident=False),
+                Part("optimizer_state", "optimizer moments of the shard", moments * shard)]
+    if not strategy.startswith("zero"):
+        raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
+
+    ds = ds_config or load_ds_config(strategy)
+    zero = ds["zero_optimization"]
+    opt_where = "host" if zero.get("offload_optimizer", {}).get("device", "none") != "none" else "device"
+    bucket = int(float(zero.get("reduce_bucket_size", 5e8))) * b if zero.get("contiguous_gradients", True) else 0
+    parts = [Part("optimizer_state", "fp32 master partition", 4 * shard, opt_where),
+             Part("optimizer_state", "optimizer moments of the partition", moments * shard, opt_where)]
+    if zero["stage"] == 2:
+        parts.append(Part("parameters", f"{precision} parameters, whole", b * P))
+        if opt_where == "host":
+            largest = b * shape.largest()
+            parts += [Part("gradients", "pinned fp32 gradient partition", 4 * shard, "host"),
+                      Part("buffers", f"{precision} staging copy of the partition", b * shard, "host"),
+                      Part("buffers", "gradient staging buffer (largest parameter)", largest, "host"),
+                      Part("buffers", "gradient staging buffer (largest parameter)", largest)]
+        else:
+            parts.append(Part("gradients", f"{precision} gradient partition", b * shard, resident=False))
+            if b != 4:
+                parts.append(Part("gradients", "fp32 copy of the gradient partition", 4 * shard, resident=False))
+        n_buckets = 2 if zero.get("overlap_comm", False) else 1
+        parts.append(Part("buffers", f"{n_buckets} reduce bucket(s)", n_buckets * bucket, resident=False))
+        return parts
+    if zero["stage"] != 3:
+        raise ValueError(f"ZeRO stage {zero['stage']} is not modelled")
+    persistent = shape.persistent(int(float(zero.get("stage3_param_persistence_threshold", 1e5))))
+    param_where = "host" if zero.get("offload_param", {}).get("device", "none") != "none" else "device"
+    gathered = min(P - persistent, int(float(zero.get("stage3_max_live_parameters", 1e9))))
+    parts += [Part("parameters", f"persistent {precision} parameters, whole", b * persistent),
+              Part("parameters", f"{precision} partitions of persistent parameters", b * math.ceil(persistent / N)),
+              Part("parameters", f"{precision} partitions of the others", b * math.ceil((P - persistent) / N),
+                   param_where),
+              Part("parameters", f"gathered {precision} parameters", b * gathered, resident=False, after_eval=True),
+              Part("gradients", f"{precision} gradient partition buffer", b * shard, opt_where),
+              Part("gradients", "fp32 gradient partition", 4 * shard, opt_where, resident=opt_where == "host"),
+              Part("buffers", "reduce bucket", bucket)]
+    return parts
+
+
+def totals(parts: list[Part]) -> dict:
+    """Bytes per rank: `resident` between steps, `peak` with the parts that exist only around the step, on the
+    device and on the host, and `after_eval`, what memstats can see after training and the final evaluation (the
+    basis of the measured / predicted ratio), in total and per group."""
+    def total(select):
+        return sum(p.nbytes for p in parts if select(p))
+
+    def after_eval(p: Part) -> bool:
+        return p.visible and (p.resident or p.after_eval)
+
+    out = {
+        "resident": total(lambda p: p.resident),
+        "peak": total(lambda p: True),
+        "device_resident": total(lambda p: p.resident and p.where == "device"),
+        "device_peak": total(lambda p: p.where == "device"),
+        "host_resident": total(lambda p: p.resident and p.where == "host"),
+        "after_eval": total(after_eval),
+    }
+    for name in ("parameters", "gradients", "optimizer_state", "buffers"):
+        out[f"{name}_after_eval"] = total(lambda p: p.name == name and after_eval(p))
+    return out
+
+
+def format_table(shape: ModelShape, world: int, precision: str, strategies, optimizer_states: int = 2) -> str:
+    header = (f"{shape.num_params:,} parameters, {world} process(es), {precision}, "
+              f"{optimizer_states} fp32 optimizer state(s) per parameter; GiB per rank, model state only")
+    columns = ("params", "grads", "optim", "buffers", "resident", "peak", "host")
+    lines = [header, f"{'strategy':<14}" + "".join(f"{c:>10}" for c in columns)]
+    for strategy in strategies:
+        parts = predict(strategy, shape, 1 if strategy == "single" else world, precision, optimizer_states)
+        t = totals(parts)
+        device = {name: sum(p.nbytes for p in parts if p.name == name and p.where == "device")
+                  for name in ("parameters", "gradients", "optimizer_state", "buffers")}
+        row = list(device.values()) + [t["device_resident"], t["device_peak"], t["host_resident"]]
+        lines.append(f"{strategy:<14}" + "".join(f"{v / GIB:>10.2f}" for v in row))
+    lines.append("params..buffers: on the device at the step's peak; resident: kept between steps; "
+                 "peak: device total around backward and step; host: offloaded, kept between steps.")
+    if not shape.param_numels:
+        lines.append("Parameter shapes unknown (--num_params): computed without ZeRO-3's persistent parameters, "
+                     "ZeRO-2 offload's staging buffers and FSDP's gathered root unit; give --model_name_or_path.")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model_name_or_path", help="model folder or Hub id: parameter shapes from its config")
+    source.add_argument("--num_params", type=float, help="parameter count, e.g. 355e6")
+    parser.add_argument("--num_labels", type=int, default=2, help="classes of the classification head")
+    parser.add_argument("--num_processes", type=int, default=8, help="ranks that share the model state")
+    parser.add_argument("--precision", choices=sorted(DTYPE_BYTES), default="bf16", help="compute dtype")
+    parser.add_argument("--optimizer_states", type=int, default=2, help="fp32 states per parameter (Adam: 2)")
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    args = parser.parse_args(argv)
+    if args.model_name_or_path:
+        shape = shape_from_model(args.model_name_or_path, args.num_labels)
+    else:
+        shape = ModelShape(num_params=int(args.num_params))
+    print(format_table(shape, args.num_processes, args.precision, args.strategies, args.optimizer_states))
+
+
+if __name__ == "__main__":
+    main()

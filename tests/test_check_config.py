@@ -1,0 +1,197 @@
+"""scripts/check_config.py: every shipped launch config is clean, each broken fixture is caught with its message.
+
+Fast tier: no process is launched; the launched-process environment is made by accelerate's own env builders.
+`tiny_model` (the offline tiny RoBERTa, built if missing) comes from conftest.py.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+import check_config  # noqa: E402
+
+BAD = "tests/fixtures/bad_configs"
+SHIPPED = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "accelerate_configs").glob("*.yaml"))
+
+
+@pytest.fixture(autouse=True)
+def at_repo_root(monkeypatch):
+    # deepspeed_config_file paths are relative to the launch directory, the repository root.
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def meta_model(tiny_model):
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    with torch.device("meta"):
+        return AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(tiny_model))
+
+
+def test_every_shipped_config_is_listed():
+    assert {Path(p).stem for p in SHIPPED} == {"single", "ddp", "fsdp", "zero2", "zero3", "zero2_offload",
+                                               "zero3_offload", "multinode"}
+
+
+@pytest.mark.parametrize("yaml_path", SHIPPED)
+@pytest.mark.parametrize("recipe", [{}, {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 4,
+                                         "max_grad_norm": 0.5}])
+def test_shipped_config_is_clean(yaml_path, recipe, tiny_model):
+    assert check_config.check_yaml(yaml_path, recipe, tiny_model) == []
+
+
+# (fixture, recipe flags, the one problem expected). Recipe defaults: micro-batch 32, accumulation 1, clipping 1.0.
+CASES = [
+    ("mp_twice", {}, "mixed precision set twice: mixed_precision=bf16 and tests/fixtures/bad_configs/bf16.json "
+                     "bf16.enabled; keep it in the JSON only"),
+    ("mp_disagree", {}, "mixed precision disagrees: mixed_precision=fp16 but tests/fixtures/bad_configs/bf16.json "
+                        "enables bf16; keep it in the JSON only"),
+    ("mp_no", {}, "mixed_precision: no next to a deepspeed_config_file: accelerate 1.15.0 refuses any "
+                  "mixed_precision key there"),
+    ("grad_accum", {}, "gradient_accumulation_steps=4 in tests/fixtures/bad_configs/bf16_grad_accum_4.json but "
+                       "--gradient_accumulation_steps 1; set it to \"auto\" or pass --gradient_accumulation_steps 4"),
+    ("micro_batch", {"per_device_train_batch_size": 8}, "train_micro_batch_size_per_gpu=16 in "
+                     "tests/fixtures/bad_configs/bf16_micro_16.json but --per_device_train_batch_size 8"),
+    ("train_batch", {}, "train_batch_size=100 in tests/fixtures/bad_configs/bf16_train_batch_100.json but "
+                        "micro-batch 32 x accumulation 1 x 2 processes = 64"),
+    ("clipping", {}, "gradient_clipping=0.5 in tests/fixtures/bad_configs/bf16_clipping_05.json but "
+                     "--max_grad_norm 1.0"),
+    ("fsdp_wrap_class", {}, "FSDP wrap class 'BertLayer' is not a module of {model} (its layer classes: "
+                            "RobertaLayer); accelerate would fail in prepare()"),
+    ("fsdp_wrap_spaces", {}, "FSDP wrap class list 'RobertaLayer, RobertaSelfAttention' has spaces: accelerate "
+                             "1.15.0 does not strip them, write it as A,B"),
+    ("ds_missing", {}, "deepspeed_config_file 'tests/fixtures/bad_configs/does_not_exist.json' not found"),
+    ("ds_invalid", {}, "deepspeed_config_file 'tests/fixtures/bad_configs/invalid.json' is not valid JSON "
+                       "(line 4, column 1)"),
+    ("zero3_no_gather", {}, "tests/fixtures/bad_configs/zero3_no_gather.json is ZeRO-3 without "
+                            "stage3_gather_16bit_weights_on_model_save: true, so writing final/ fails after training"),
+    ("ds_owned_key", {}, "deepspeed_config.gradient_accumulation_steps next to deepspeed_config_file: "
+                         "accelerate 1.15.0 refuses it"),
+    ("unknown_key", {}, "unknown key 'num_process' (accelerate launch refuses it)"),
+    ("fsdp_unknown_subkey", {}, "unknown key 'fsdp_config.fsdp_wrap_policy' (accelerate ignores it)"),
+    ("distributed_type", {}, "unknown distributed_type 'MULTI_TPU' (one of NO, MULTI_CPU, MULTI_GPU"),
+    ("unquoted_no", {}, "unknown distributed_type 'False' (one of NO"),
+    ("num_processes_zero", {}, "num_processes=0 must be an integer >= 1"),
+    ("num_processes_not_divisible", {}, "num_processes=3 is not divisible by num_machines=2"),
+    ("dead_section", {}, "fsdp_config is set but distributed_type is MULTI_GPU, so it is ignored"),
+]
+
+
+@pytest.mark.parametrize("name,recipe,expected", CASES, ids=[c[0] for c in CASES])
+def test_broken_fixture_is_caught(name, recipe, expected, tiny_model):
+    problems = check_config.check_yaml(f"{BAD}/{name}.yaml", recipe, tiny_model)
+    assert len(problems) == 1, problems  # each fixture holds exactly one mistake
+    assert expected.format(model=tiny_model) in problems[0]
+
+
+def test_unknown_deepspeed_json_keys():
+    problems = check_config.check_yaml(f"{BAD}/ds_unknown_keys.yaml", {})
+    path = "tests/fixtures/bad_configs/unknown_keys.json"
+    assert problems == [f"unknown key 'gradient_clip' in {path}",
+                        f"unknown key 'zero_optimization.stage3_gather_16bit_weights_on_save' in {path}",
+                        # what the misspelling costs: the real key is missing
+                        f"{path} is ZeRO-3 without stage3_gather_16bit_weights_on_model_save: true, so writing "
+                        "final/ fails after training"]
+
+
+def test_unquoted_no_gets_a_hint():
+    (problem,) = check_config.check_yaml(f"{BAD}/unquoted_no.yaml", {})
+    assert problem.endswith("an unquoted NO/no reads as YAML false: quote it")
+
+
+def test_missing_yaml():
+    assert check_config.check_yaml("accelerate_configs/zero4.yaml", {}) == [
+        "config file not found: accelerate_configs/zero4.yaml"]
+
+
+def test_missing_model_folder():
+    (problem,) = check_config.check_yaml(f"{BAD}/fsdp_wrap_class.yaml", {}, "artifacts/no-such-model")
+    assert problem.startswith("cannot build the model skeleton from artifacts/no-such-model")
+
+
+def test_zero_keys_are_known_to_deepspeed():
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    known = set(DeepSpeedZeroConfig.model_fields)
+    known |= {f.alias for f in DeepSpeedZeroConfig.model_fields.values() if f.alias}
+    assert check_config.DS_ZERO_KEYS <= known
+
+
+def test_cli(capsys, tiny_model):
+    assert check_config.main(["--all", "--model_name_or_path", str(tiny_model)]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"ok: {p}" for p in SHIPPED]
+    assert check_config.main(["accelerate_configs/ddp.yaml", f"{BAD}/num_processes_zero.yaml",
+                              "--per_device_train_batch_size", "8"]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        "ok: accelerate_configs/ddp.yaml", f"{BAD}/num_processes_zero.yaml: num_processes=0 must be an integer >= 1"]
+    with pytest.raises(SystemExit):  # the recipe's flags, unabbreviated: a typo is an error, not a silent match
+        check_config.main(["--all", "--per_device_train_batch", "8"])
+
+
+# ---- inside a launched process: the environment accelerate launch builds from a YAML ----
+def launch_env(yaml_path: str, world_size: int = 2) -> dict:
+    """The environment `accelerate launch --config_file yaml_path` gives each process, built by accelerate's own
+    code without starting anything (torchrun adds WORLD_SIZE)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    args, defaults, mp_from_config = _validate_launch_command(
+        launch_command_parser().parse_args(["--config_file", yaml_path, "recipes/cls.py"]))
+    with warnings.catch_warnings():  # another job may hold port 29500; only the environment matters here
+        warnings.simplefilter("ignore")
+        if args.use_deepspeed:  # what launch_command does before calling the DeepSpeed launcher
+            fields = list(defaults.deepspeed_config) + (["mixed_precision"] if mp_from_config else [])
+            args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+            _, env = prepare_deepspeed_cmd_env(args)
+        else:
+            env = prepare_multi_gpu_env(args)
+    return {**env, "WORLD_SIZE": str(world_size)}
+
+
+@pytest.mark.parametrize("yaml_path", ["accelerate_configs/zero3_offload.yaml", "accelerate_configs/fsdp.yaml"])
+def test_launch_env_clean(yaml_path, meta_model):
+    assert check_config.check_launch_env(launch_env(yaml_path), {"per_device_train_batch_size": 8}, meta_model) == []
+
+
+def test_launch_env_precision_set_twice():
+    assert check_config.check_launch_env(launch_env(f"{BAD}/mp_twice.yaml"), {}) == [
+        "mixed precision set twice: mixed_precision=bf16 and tests/fixtures/bad_configs/bf16.json bf16.enabled; "
+        "keep it in the JSON only"]
+
+
+def test_launch_env_precision_no_refused():
+    (problem,) = check_config.check_launch_env(launch_env(f"{BAD}/mp_no.yaml"), {})
+    assert problem.startswith("mixed_precision: no next to a deepspeed_config_file: accelerate 1.15.0 refuses")
+
+
+def test_launch_env_batch_sizes():
+    env = launch_env(f"{BAD}/train_batch.yaml", world_size=4)
+    assert check_config.check_launch_env(env, {"per_device_train_batch_size": 25}) == []
+    assert check_config.check_launch_env(env, {}) == [
+        "train_batch_size=100 in tests/fixtures/bad_configs/bf16_train_batch_100.json but micro-batch 32 x "
+        "accumulation 1 x 4 processes = 128"]
+    assert check_config.check_launch_env(launch_env(f"{BAD}/grad_accum.yaml"), {"gradient_accumulation_steps": 2}) == [
+        "gradient_accumulation_steps=4 in tests/fixtures/bad_configs/bf16_grad_accum_4.json but "
+        "--gradient_accumulation_steps 2; set it to \"auto\" or pass --gradient_accumulation_steps 4"]
+
+
+def test_launch_env_wrap_class(meta_model):
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_TRANSFORMER_CLS_TO_WRAP": "BertLayer", "WORLD_SIZE": "2"}
+    (problem,) = check_config.check_launch_env(env, {}, meta_model)
+    assert problem.startswith("FSDP wrap class 'BertLayer' is not a module of the model (its layer classes: "
+                              "RobertaLayer)")
+    assert check_config.check_launch_env(env, {}) == []  # no model yet: nothing to check
+
+
+def test_launch_env_missing_json():
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero4.json",
+           "ACCELERATE_MIXED_PRECISION": "no", "WORLD_SIZE": "2"}
+    assert check_config.check_launch_env(env, {}) == [
+        "deepspeed_config_file 'ds_configs/zero4.json' not found (relative paths are read from where you launch)"]

