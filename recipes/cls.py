@@ -59,6 +59,9 @@ class Config:
     pad_to_max_length: bool = field(default=False, metadata={"help": "pad every batch to max_length (not dynamic)"})
     eval_steps: Optional[int] = field(default=None, metadata={"help": "also evaluate every N optimizer steps"})
     data_parallel: bool = field(default=False, metadata={"help": "wrap in nn.DataParallel over visible GPUs"})
+    checkpointing_steps: Optional[str] = field(default=None, metadata={"help": "save a checkpoint every N steps or 'epoch'"})
+    resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "checkpoint folder or 'latest'"})
+    force_resume: bool = field(default=False, metadata={"help": "resume even if world size/accumulation changed"})
     record_ranks: bool = field(default=False, metadata={"help": "write ranks/rank<i>.json: sample ids, param sums"})
     ddp_timeout: int = field(default=1800, metadata={"help": "seconds a collective may wait before failing"})
 
@@ -101,8 +104,12 @@ def get_dataloaders(cfg: Config, accelerator: Accelerator, tokenizer):
                                       max_length=cfg.max_length)
     sampler = common.EvenShardBatchSampler(len(train_ds), cfg.per_device_train_batch_size,
                                            accelerator.num_processes, cfg.seed)
-    train_dl = torch.utils.data.DataLoader(train_ds, batch_sampler=sampler, collate_fn=collate)
-    eval_dl = torch.utils.data.DataLoader(eval_ds, batch_size=cfg.per_device_eval_batch_size, collate_fn=collate)
+    # Own generators: otherwise each new iterator draws its seed from the global RNG and shifts the dropout stream,
+    # so a resumed run (which creates its first iterator later) would no longer match the uninterrupted one.
+    train_dl = torch.utils.data.DataLoader(train_ds, batch_sampler=sampler, collate_fn=collate,
+                                           generator=torch.Generator().manual_seed(cfg.seed))
+    eval_dl = torch.utils.data.DataLoader(eval_ds, batch_size=cfg.per_device_eval_batch_size, collate_fn=collate,
+                                          generator=torch.Generator().manual_seed(cfg.seed))
     return train_dl, eval_dl, sampler, names
 
 
@@ -130,7 +137,8 @@ def evaluate(model, eval_dl, accelerator: Accelerator, metrics) -> dict:
     return {**common.compute_metrics(metrics, predictions, references), "n_examples": len(predictions)}
 
 
-def train(cfg, accelerator, model, optimizer, scheduler, train_dl, eval_dl, sampler, metrics, out: Path) -> dict:
+def train(cfg, accelerator, model, optimizer, scheduler, train_dl, eval_dl, sampler, metrics, out: Path,
+          start: Optional[dict] = None) -> dict:
     world, accum = accelerator.num_processes, cfg.gradient_accumulation_steps
     windows_per_epoch = common.num_update_steps(len(sampler.sizes), accum)
     total_steps = cfg.max_train_steps or windows_per_epoch * cfg.num_train_epochs
@@ -140,12 +148,15 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_dl, eval_dl, samp
     model.train()  # from_pretrained returns a model in eval mode
     if cfg.record_ranks:
         common.record_forward_dtypes(model)
-    progress = tqdm(total=total_steps, disable=not accelerator.is_local_main_process, desc="train")
-    seen_ids, step, last_eval, start = [], 0, None, time.perf_counter()
+    start_epoch, skip, step = (start["epoch"], start["micro_in_epoch"], start["step"]) if start else (0, 0, 0)
+    progress = tqdm(total=total_steps, initial=step, disable=not accelerator.is_local_main_process, desc="train")
+    seen_ids, last_eval, t0 = [], None, time.perf_counter()
     window_sums = torch.zeros(2, device=accelerator.device)  # loss sum, non-pad tokens: one all-reduce per step
-    for epoch in range(math.ceil(total_steps / windows_per_epoch)):
+    for epoch in range(start_epoch, math.ceil(total_steps / windows_per_epoch)):
         sampler.set_epoch(epoch)
-        for micro, batch in enumerate(train_dl):
+        first = skip if epoch == start_epoch else 0  # skip what the checkpoint consumed, in its epoch only
+        loader = accelerator.skip_first_batches(train_dl, first) if first else train_dl
+        for micro, batch in enumerate(loader, start=first):
             n_window = window_samples[micro // accum]
             seen_ids.append(batch.pop("sample_id").tolist())
             labels = batch.pop("labels")
@@ -168,7 +179,7 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_dl, eval_dl, samp
             window_sums.zero_()
             loss = loss_total / n_window
             record = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "samples": n_window,
-                      "tokens": int(tokens), "elapsed": time.perf_counter() - start}
+                      "tokens": int(tokens), "elapsed": time.perf_counter() - t0}
             accelerator.log({"train/loss": loss, "train/lr": record["lr"]}, step=step)
             if accelerator.is_main_process:
                 common.append_jsonl(out / "metrics.jsonl", record)
@@ -180,6 +191,13 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_dl, eval_dl, samp
                 accelerator.log({f"eval/{k}": last_eval[k] for k in ("accuracy", "f1")}, step=step)
                 if accelerator.is_main_process:
                     common.append_jsonl(out / "eval.jsonl", last_eval)
+            common.inject_fault("step", step, accelerator.process_index)
+            if common.checkpoint_due(cfg.checkpointing_steps, step, end_of_epoch):
+                position = {"epoch": epoch + 1, "micro_in_epoch": 0} if end_of_epoch else \
+                    {"epoch": epoch, "micro_in_epoch": micro + 1}
+                common.save_checkpoint(accelerator, out, {
+                    "step": step, **position, "world_size": world, "gradient_accumulation_steps": accum,
+                    "per_device_train_batch_size": cfg.per_device_train_batch_size, "seed": cfg.seed})
             if step == total_steps:
                 break
     progress.close()
@@ -205,6 +223,7 @@ def save_final(accelerator: Accelerator, model, tokenizer, out: Path) -> None:
 def main(cfg: Config) -> dict:
     accelerator = common.make_accelerator(cfg)
     out = Path(cfg.output_dir)
+    resume = common.find_checkpoint(cfg, accelerator.num_processes)
     set_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path)
     train_dl, eval_dl, sampler, names = get_dataloaders(cfg, accelerator, tokenizer)
@@ -229,8 +248,11 @@ def main(cfg: Config) -> dict:
 
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        for name in ("metrics.jsonl", "eval.jsonl"):
-            (out / name).unlink(missing_ok=True)
+        if resume:
+            common.truncate_records(out, resume[1]["step"])
+        else:
+            for name in ("metrics.jsonl", "eval.jsonl"):
+                (out / name).unlink(missing_ok=True)
         resolved = common.describe_run(cfg, accelerator, total_steps, len(train_dl.dataset), len(eval_dl.dataset))
         (out / "run_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
     accelerator.init_trackers("cls", config=common.tracker_config(asdict(cfg)))
@@ -240,7 +262,11 @@ def main(cfg: Config) -> dict:
     accelerator.print(f"training {len(train_dl.dataset)} examples for {total_steps} steps on {accelerator.num_processes}"
                       f" process(es), {accelerator.distributed_type.value}, precision {accelerator.mixed_precision}")
     set_seed(cfg.seed, device_specific=True)  # per-rank dropout streams, identical whatever the strategy's init did
-    result = train(cfg, accelerator, model, optimizer, scheduler, train_dl, eval_dl, sampler, metrics, out)
+    if resume:
+        common.load_checkpoint(accelerator, resume[0])  # model, optimizer, scheduler, RNG states of every rank
+        accelerator.print(f"resumed from {resume[0]} at step {resume[1]['step']}")
+    result = train(cfg, accelerator, model, optimizer, scheduler, train_dl, eval_dl, sampler, metrics, out,
+                   start=resume[1] if resume else None)
     save_final(accelerator, model, tokenizer, out)
     accelerator.end_training()
     accelerator.print(f"eval accuracy {result['accuracy']:.4f} f1 {result['f1']:.4f} "

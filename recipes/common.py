@@ -375,3 +375,102 @@ def optimizer_dtypes(optimizer) -> dict:
     states = [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
     return {"master_params": sorted({str(p.dtype) for p in params}),
             "optimizer_state": sorted({str(t.dtype) for t in states})}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Checkpoints and exact resume
+# --------------------------------------------------------------------------------------------------------------------
+RESUME_KEYS = ("world_size", "gradient_accumulation_steps", "per_device_train_batch_size", "seed")
+
+
+def inject_fault(where: str, step: int, rank: int) -> None:
+    """Fault injection for the tests: CLS_FAULT=<where>:<step>:<rank> SIGKILLs that rank at that point."""
+    import signal
+
+    if os.environ.get("CLS_FAULT") == f"{where}:{step}:{rank}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def checkpoint_due(every: str | None, step: int, end_of_epoch: bool) -> bool:
+    if not every:
+        return False
+    if every == "epoch":
+        return end_of_epoch
+    return step % int(every) == 0
+
+
+def save_checkpoint(accelerator, out: Path, state: dict) -> None:
+    """Save everything resume needs, atomically: a complete checkpoint or none.
+
+    Every rank writes into checkpoints/step_N.tmp (DeepSpeed and FSDP save shards from every rank, and each rank its
+    RNG state); only when all are done does rank 0 rename it to step_N and then replace the `latest` pointer file, so
+    a crash at any point leaves `latest` naming the previous complete checkpoint.
+    """
+    import shutil
+
+    root = out / "checkpoints"
+    name = f"step_{state['step']}"
+    tmp = root / f"{name}.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    inject_fault("save", state["step"], accelerator.process_index)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
+        shutil.rmtree(root / name, ignore_errors=True)
+        tmp.rename(root / name)
+        (root / "latest.tmp").write_text(name + "\n")
+        os.replace(root / "latest.tmp", root / "latest")
+    accelerator.wait_for_everyone()
+
+
+def find_checkpoint(cfg, world_size: int) -> tuple[Path, dict] | None:
+    """The checkpoint to resume from and its trainer state, checked against this run; None without --resume."""
+    if not cfg.resume_from_checkpoint:
+        return None
+    path = Path(cfg.resume_from_checkpoint)
+    if cfg.resume_from_checkpoint == "latest":
+        pointer = Path(cfg.output_dir) / "checkpoints" / "latest"
+        if not pointer.is_file():
+            raise RecipeError(f"--resume_from_checkpoint latest: no checkpoint in {pointer.parent}")
+        path = pointer.parent / pointer.read_text().strip()
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
+    except (OSError, ValueError) as err:
+        raise RecipeError(f"checkpoint {path} has no readable trainer_state.json: {err}") from None
+    now = {"world_size": world_size, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+           "per_device_train_batch_size": cfg.per_device_train_batch_size, "seed": cfg.seed}
+    changed = [f"{k} {state[k]} -> {now[k]}" for k in RESUME_KEYS if state[k] != now[k]]
+    if changed and not cfg.force_resume:
+        raise RecipeError(f"checkpoint {path} was written with other settings ({', '.join(changed)}): the resumed "
+                          "run would not continue the same sample order; pass --force_resume to resume anyway")
+    for rank in range(world_size):
+        if not (path / f"random_states_{rank}.pkl").is_file():
+            raise RecipeError(f"checkpoint {path} has no RNG state for rank {rank} (random_states_{rank}.pkl)")
+    return path, state
+
+
+def load_checkpoint(accelerator, path: Path) -> None:
+    """`accelerator.load_state`, then check the RNG state really came back.
+
+    Accelerate 1.15.0 swallows any error while restoring RNG states (it logs "Could not load random states" at info
+    level) and the run would silently draw other dropout masks; here that fails the resume instead.
+    """
+    from accelerate.utils import load  # torch.load with weights_only=True and numpy's RNG types allow-listed
+
+    accelerator.load_state(str(path))
+    saved = load(path / f"random_states_{accelerator.process_index}.pkl")
+    if not torch.equal(saved["torch_manual_seed"], torch.get_rng_state()):
+        raise RecipeError(f"checkpoint {path}: the RNG state of rank {accelerator.process_index} was not restored")
+
+
+def truncate_records(out: Path, step: int) -> None:
+    """Drop metrics/eval lines written after the checkpoint by the interrupted run."""
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        path = out / name
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+            path.write_text("".join(line + "\n" for line in kept))

@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import platform
 import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -120,15 +122,16 @@ def read_jsonl(path: Path) -> list:
 
 
 def throughput(metrics: list, warmup_steps: int) -> dict:
-    """samples/s, tokens/s and seconds per step over the steps after the warm-up."""
+    """Over the steps after the warm-up: samples/s and tokens/s (totals over their time), and the median time of
+    one step, which the ratios use: on a shared machine a burst of other work slows a few steps, not the median."""
     if len(metrics) <= warmup_steps:
         raise ValueError(f"{len(metrics)} steps recorded, need more than the {warmup_steps} warm-up steps")
-    origin = metrics[warmup_steps - 1]["elapsed"] if warmup_steps else 0.0
+    ends = [0.0] + [r["elapsed"] for r in metrics]
+    durations = [b - a for a, b in zip(ends[warmup_steps:], ends[warmup_steps + 1:])]
     timed = metrics[warmup_steps:]
-    seconds = timed[-1]["elapsed"] - origin
-    samples = sum(r["samples"] for r in timed)
-    tokens = sum(r["tokens"] for r in timed)
-    return {"samples_per_s": samples / seconds, "tokens_per_s": tokens / seconds, "step_time_s": seconds / len(timed)}
+    seconds = ends[-1] - ends[warmup_steps]
+    return {"samples_per_s": sum(r["samples"] for r in timed) / seconds,
+            "tokens_per_s": sum(r["tokens"] for r in timed) / seconds, "step_time_s": statistics.median(durations)}
 
 
 def failure_reason(log: str) -> str:
@@ -326,10 +329,13 @@ def run_bench(profile: Profile, strategies=STRATEGIES, baselines=BASELINES, runs
         f"{mem_label} MiB of the largest process")
     log(header(mem_label))
     runs = []
-    widest = max(world_of(name, n_gpus) for name in (*strategies, *baselines))
+    names = (*strategies, *baselines)
+    widest = max(world_of(name, n_gpus) for name in names)
+    # The one-process runs the ratios compare go first, back to back, so a change of load hits them alike.
+    order = sorted(names, key=lambda name: world_of(name, n_gpus) > 1 or name == "dataparallel")
     for spec in profile.models:
         shape = memory_model.shape_from_model(str(REPO / spec.path))
-        for name in (*strategies, *baselines):
+        for name in order:
             run = Run(model=spec.name, name=name, kind="baseline" if name in BASELINES else "strategy")
             run_dir = runs_dir / f"{spec.name}_{name}"
             run.run_dir = str(run_dir.relative_to(REPO) if run_dir.is_relative_to(REPO) else run_dir)
@@ -349,6 +355,7 @@ def run_bench(profile: Profile, strategies=STRATEGIES, baselines=BASELINES, runs
                     collect(run, run_dir, profile, shape)
             runs.append(run)
             log(format_row(run, mem_label))
+    runs.sort(key=lambda r: ([spec.name for spec in profile.models].index(r.model), names.index(r.name)))
     work = {spec.name: {"model": spec.path, "random_init": spec.random_init, "precision": spec.precision,
                         "learning_rate": spec.learning_rate, "steps": profile.steps,
                         "warmup_steps": profile.warmup_steps, "effective_batch": profile.batch_size,
@@ -448,18 +455,23 @@ def render_chart(results: dict, path: Path) -> None:
         runs = [r for r in results["runs"] if r["model"] == model and r["status"] == "ok"]
         names = [r["name"] for r in runs]
         x = range(len(runs))
-        row[0].bar(x, [r["samples_per_s"] for r in runs],
-                   color=["tab:blue" if r["kind"] == "strategy" else "tab:gray" for r in runs])
-        row[0].set_title(f"{model}: throughput after warm-up (gray: baselines)")
+        bars = row[0].bar(x, [r["samples_per_s"] for r in runs],
+                          color=["tab:blue" if r["kind"] == "strategy" else "tab:gray" for r in runs])
+        row[0].bar_label(bars, fmt="%.0f", fontsize=8)
+        row[0].set_title(f"{model}: samples/s after warm-up (gray: baselines)")
         row[0].set_ylabel("samples / s")
         measured = [(r["state_measured"] or 0) / MIB for r in runs]
         predicted = [(r["state_predicted"] or 0) / MIB for r in runs]
-        row[1].bar([i - 0.2 for i in x], measured, width=0.4, label="measured", color="tab:green")
+        bars = row[1].bar([i - 0.2 for i in x], measured, width=0.4, label="measured", color="tab:green")
         row[1].bar([i + 0.2 for i in x], predicted, width=0.4, label="predicted", color="tab:olive")
+        row[1].bar_label(bars, labels=[f"{r['memory_ratio']:.2f}x" if r["memory_ratio"] else "" for r in runs],
+                         fontsize=8)
         row[1].set_yscale("log")
-        row[1].set_title(f"{model}: model state per rank (largest rank)")
-        row[1].set_ylabel("MiB (log)")
-        row[1].legend()
+        values = [v for v in measured + predicted if v > 0] or [1.0]
+        row[1].set_ylim(10 ** math.floor(math.log10(min(values))), 10 ** math.ceil(math.log10(max(values) * 3)))
+        row[1].set_title(f"{model}: model state per rank, MiB (label: measured / predicted)")
+        row[1].set_ylabel("MiB (log scale)")
+        row[1].legend(loc="upper left")
         for ax in row:
             ax.set_xticks(list(x))
             ax.set_xticklabels(names, rotation=30, ha="right")

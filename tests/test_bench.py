@@ -1,0 +1,160 @@
+"""make bench's parts: the memory model against hand-computed bytes, the results writer, and a smoke run.
+
+- memory_model: 1e6 parameters on 4 ranks, every strategy in fp32 and bf16, against bytes worked out by hand from the
+  rules in its docstring (ds_configs/*.json as shipped: reduce_bucket_size 5e8, overlap_comm, contiguous_gradients).
+- The results writer turns a results dict into .md/.json/.png and rewrites README's bench block.
+- Smoke test (multiproc): the bench's own path on the tiny model, 4 steps, two strategies; rows must have positive
+  throughput and model-state bytes within 10% of the prediction. No timing assertions.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+import bench  # noqa: E402
+import memory_model as mm  # noqa: E402
+
+P, N = 1_000_000, 4
+BUCKET = 500_000_000  # reduce_bucket_size of the shipped DeepSpeed JSONs, in elements
+# (resident, peak) bytes per rank for P parameters on N ranks, Adam; "peak" adds what exists only around the step.
+EXPECTED = {
+    # fp32 params 4P + Adam 8P; fp32 grads 4P until zero_grad. Autocast bf16 keeps the same tensors.
+    ("single", "fp32"): (12 * P, 16 * P),
+    ("single", "bf16"): (12 * P, 16 * P),
+    # + DDP's gradient buckets, 4P, resident (in C++).
+    ("ddp", "fp32"): (16 * P, 20 * P),
+    ("ddp", "bf16"): (16 * P, 20 * P),
+    # params whole in the compute dtype + (4 master + 8 Adam) P/N; step: grad partition (+ its fp32 copy in bf16)
+    # and 2 reduce buckets (overlap_comm).
+    ("zero2", "fp32"): (4 * P + 12 * P // N, 4 * P + 16 * P // N + 2 * BUCKET * 4),
+    ("zero2", "bf16"): (2 * P + 12 * P // N, 2 * P + 18 * P // N + 2 * BUCKET * 2),
+    # offload: master, moments, fp32 grad partition and a compute-dtype staging partition stay on the host.
+    ("zero2_offload", "fp32"): (4 * P + 20 * P // N, 4 * P + 20 * P // N + 2 * BUCKET * 4),
+    ("zero2_offload", "bf16"): (2 * P + 18 * P // N, 2 * P + 18 * P // N + 2 * BUCKET * 2),
+    # partitions b P/N + 12 P/N + grad buffer b P/N + 1 reduce bucket; step: all gathered (b P) + fp32 grad 4P/N.
+    ("zero3", "fp32"): (20 * P // N + BUCKET * 4, 4 * P + 24 * P // N + BUCKET * 4),
+    ("zero3", "bf16"): (16 * P // N + BUCKET * 2, 2 * P + 20 * P // N + BUCKET * 2),
+    # offload keeps the fp32 grad partition on the host for good.
+    ("zero3_offload", "fp32"): (24 * P // N + BUCKET * 4, 4 * P + 24 * P // N + BUCKET * 4),
+    ("zero3_offload", "bf16"): (20 * P // N + BUCKET * 2, 2 * P + 20 * P // N + BUCKET * 2),
+    # fp32 shards 4P/N + Adam 8P/N; fp32 grad shards 4P/N until zero_grad, whatever the compute dtype.
+    ("fsdp", "fp32"): (12 * P // N, 16 * P // N),
+    ("fsdp", "bf16"): (12 * P // N, 16 * P // N),
+}
+
+
+@pytest.mark.parametrize("strategy,precision", sorted(EXPECTED))
+def test_memory_model_matches_hand_computed_bytes(strategy, precision):
+    world = 1 if strategy == "single" else N
+    totals = mm.totals(mm.predict(strategy, mm.ModelShape(num_params=P), world, precision))
+    assert (totals["resident"], totals["peak"]) == EXPECTED[(strategy, precision)]
+
+
+def test_memory_model_places_offloaded_state_on_the_host():
+    shape = mm.ModelShape(num_params=P)
+    zero3 = mm.totals(mm.predict("zero3_offload", shape, N, "bf16"))
+    assert zero3["device_resident"] == BUCKET * 2  # the reduce bucket; all partitions went to the host
+    assert zero3["host_resident"] == 20 * P // N
+    zero2 = mm.totals(mm.predict("zero2_offload", shape, N, "bf16"))
+    assert (zero2["device_resident"], zero2["host_resident"]) == (2 * P, 18 * P // N)
+
+
+def test_memory_model_keeps_small_zero3_parameters_whole():
+    """Parameters of at most 1e5 elements (stage3_param_persistence_threshold) stay whole on every rank."""
+    shape = mm.ModelShape(num_params=1_000_000, param_numels=[600_000, 300_000, 100_000])
+    parts = mm.predict("zero3", shape, N, "bf16")
+    resident_params = sum(p.nbytes for p in parts if p.name == "parameters" and p.resident)
+    assert resident_params == 2 * 100_000 + 2 * 25_000 + 2 * 225_000
+    assert mm.totals(parts)["after_eval"] - mm.totals(parts)["resident"] == 2 * 900_000  # gathered by evaluation
+
+
+def test_memory_model_counts_ddp_buckets_apart_from_what_memstats_sees():
+    totals = mm.totals(mm.predict("ddp", mm.ModelShape(num_params=P), N, "fp32"))
+    assert totals["after_eval"] == 12 * P and totals["buffers_after_eval"] == 0
+
+
+def test_memory_model_cli_prints_a_row_per_strategy(capsys):
+    mm.main(["--num_params", "355e6", "--num_processes", "8", "--precision", "bf16"])
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.split()[:1] and
+            line.split()[0] in mm.STRATEGIES}
+    assert set(rows) == set(mm.STRATEGIES)
+    assert rows["ddp"][4] == f"{16 * 355e6 / 1024**3:.2f}"  # resident: 4 + 8 + 4 (buckets) bytes per parameter
+    assert rows["fsdp"][4] == f"{12 * 355e6 / 8 / 1024**3:.2f}"
+
+
+def test_memory_model_reads_the_tiny_model_shape(tiny_model):
+    shape = mm.shape_from_model(str(tiny_model))
+    assert shape.num_params == 1_503_490 and sum(shape.param_numels) == shape.num_params
+    assert 0 < shape.fsdp_root_params < shape.num_params
+
+
+def test_throughput_leaves_out_the_warmup():
+    metrics = [{"elapsed": e, "samples": 32, "tokens": 1000} for e in (5.0, 6.0, 7.0, 9.0)]  # step 1 is slow
+    got = bench.throughput(metrics, warmup_steps=1)
+    assert got == {"samples_per_s": 96 / 4.0, "tokens_per_s": 3000 / 4.0, "step_time_s": 1.0}
+
+
+def fake_results() -> dict:
+    ok = dict(bench.Run(model="tiny", name="single", kind="strategy").__dict__, world=1, samples_per_s=150.0,
+              tokens_per_s=7000.0, step_time_s=0.2, state_measured=18_100_000, state_predicted=18_042_000,
+              memory_ratio=18_100_000 / 18_042_000, peak_rss=1_150_000_000, accuracy=0.61, final_loss=0.65,
+              breakdown={"parameters": [6e6, 6e6], "optimizer_state": [12e6, 12e6],
+                         "gradients_and_other": [1e5, 0]})
+    loop = dict(ok, name="loop", kind="baseline", step_time_s=0.19, samples_per_s=160.0)
+    failed = dict(bench.Run(model="tiny", name="fsdp", kind="strategy").__dict__, status="failed",
+                  reason="ValueError: no FSDP on CPU")
+    runs = [ok, failed, loop]
+    return {"date": "2026-01-02", "started": "2026-01-02T03:04:05", "duration_s": 600.0, "command": "make bench",
+            "hardware": {"host": "box", "cpu": "test cpu", "cpu_cores": 2, "gpus": [], "device": "cpu"},
+            "versions": {"torch": "2.13.0"}, "memory_label": "peak RSS",
+            "work": {"tiny": {"model": "artifacts/tiny-roberta", "random_init": False, "precision": "fp32",
+                              "learning_rate": 1e-3, "steps": 40, "warmup_steps": 5, "effective_batch": 32,
+                              "train_samples": 1280, "eval_samples": 256, "max_length": 128, "seed": 42}},
+            "runs": runs, "ratios": {"tiny": {"recipe_vs_hand_loop_time": 0.2 / 0.19,
+                                               "memory_measured_vs_predicted": {"single": ok["memory_ratio"]}}}}
+
+
+def test_results_writer_writes_md_json_png_and_the_readme_block(tmp_path):
+    results = fake_results()
+    paths = bench.write_results(results, tmp_path / "results")
+    assert {p.name for p in paths.values()} == {f"2026-01-02_cpu_box.{ext}" for ext in ("md", "json", "png")}
+    assert json.loads(paths["json"].read_text())["runs"] == results["runs"]
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = paths["md"].read_text()
+    table = [line for line in md.splitlines() if line.startswith("| tiny |")]
+    assert table[0] == ("| tiny | single | 1 | fp32 | 150.0 | 7000 | 0.200 | 17.26 | 17.21 | 1.003 | 1097 "
+                        "| 0.610 |")
+    assert table[1].startswith("| tiny | fsdp | | | failed: ValueError: no FSDP on CPU |")
+    assert "recipe / hand-written loop time per step **1.053x**" in md
+    assert f"![throughput and memory]({paths['png'].name})" in md
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Title\n\nbefore\n{bench.README_START}\nold table\n{bench.README_END}\nafter\n")
+    assert bench.update_readme(readme, results, paths)
+    text = readme.read_text()
+    assert "old table" not in text and text.startswith("# Title\n\nbefore\n") and text.endswith("after\n")
+    assert "| tiny | single | 1 | fp32 | 150.0 |" in text and "results/2026-01-02_cpu_box.png" in text
+    readme.write_text("# No markers\n")
+    assert not bench.update_readme(readme, results, paths)
+    assert readme.read_text() == "# No markers\n"
+
+
+@pytest.mark.multiproc
+def test_bench_smoke_on_the_tiny_model(tiny_model, tmp_path):
+    """Smoke test: the quick path, cut to 4 steps and two strategies, produces complete rows."""
+    profile = bench.Profile(models=[bench.TINY], steps=4, warmup_steps=1, eval_samples=32, run_timeout=300)
+    results = bench.run_bench(profile, strategies=("single", "zero2"), baselines=(), runs_dir=tmp_path / "runs")
+    rows = {r["name"]: r for r in results["runs"]}
+    assert set(rows) == {"single", "zero2"}
+    for name, row in rows.items():
+        assert row["status"] == "ok", (name, row["reason"])
+        assert row["samples_per_s"] > 0 and row["tokens_per_s"] > 0 and row["step_time_s"] > 0
+        assert abs(row["memory_ratio"] - 1) < 0.10, (name, row["breakdown"])
+        assert row["run_config"]["total_optimizer_steps"] == 4 and 0 <= row["accuracy"] <= 1
+    assert rows["zero2"]["world"] == 2 and rows["zero2"]["ds_config"]["bf16"]["enabled"] is False

@@ -1,0 +1,187 @@
+"""Exact resume, exact eval, exact accumulation: numbers compared between runs (tiny model, fp32, 2 processes).
+
+Tolerances: DDP on CPU is deterministic, so a resumed DDP run must equal the uninterrupted one bit for bit
+(tolerance 0). ZeRO-2 and FSDP restore the same fp32 state from their own checkpoint formats; they are held to the
+same exact equality, and the test prints the max difference it saw.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, losses, rank_records, read_jsonl, run_recipe
+
+pytestmark = pytest.mark.multiproc
+
+# 200 examples, micro-batch 8 on 2 ranks: 13 micro-batches per epoch, the last one with 4 examples per rank.
+# With accumulation 3 that is 5 optimizer steps per epoch, the 5th over a single micro-batch (a partial window).
+BASE = ["--max_train_samples", "200", "--max_eval_samples", "16", "--per_device_train_batch_size", "8",
+        "--num_train_epochs", "2", "--record_ranks", "--checkpointing_steps", "1"]
+MICRO_PER_EPOCH = 13
+# (resume step for accumulation 1, for accumulation 3): mid-epoch 0, mid-epoch 1, epoch boundary, twice in epoch 1.
+SCENARIOS = {"mid_epoch_0": (4, 2), "mid_epoch_1": (17, 7), "epoch_boundary": (13, 5), "twice_in_epoch_1": (15, 6)}
+SECOND_STOP = {1: 20, 3: 8}
+
+
+def fp32_args(config: str, tmp_path) -> list[str]:
+    if config.startswith("zero"):
+        ds = json.loads((REPO / "ds_configs" / config.replace(".yaml", ".json")).read_text())
+        ds["bf16"]["enabled"] = False
+        path = tmp_path / "fp32.json"
+        path.write_text(json.dumps(ds))
+        return ["--deepspeed_config_file", str(path)]
+    return ["--mixed_precision", "no"] if config == "fsdp.yaml" else []
+
+
+def consumed(ref_dir, step: int) -> int:
+    state = json.loads((ref_dir / "checkpoints" / f"step_{step}" / "trainer_state.json").read_text())
+    return state["epoch"] * MICRO_PER_EPOCH + state["micro_in_epoch"]
+
+
+def assert_continues(ref_dir, resumed_dir, from_step: int, config: str):
+    ref, got = losses(ref_dir), losses(resumed_dir)
+    assert len(got) == len(ref) and got[:from_step] == ref[:from_step]  # records before the checkpoint are kept
+    delta = max(abs(a - b) for a, b in zip(ref[from_step:], got[from_step:]))
+    print(f"{config} from step {from_step}: max |loss diff| after resume = {delta:.3e}")
+    assert got[from_step:] == ref[from_step:]
+    skip = consumed(ref_dir, from_step)
+    for r_ref, r_got in zip(rank_records(ref_dir), rank_records(resumed_dir)):
+        assert r_got["sample_ids"] == r_ref["sample_ids"][skip:], "resumed run skipped or repeated samples"
+    assert read_jsonl(resumed_dir / "eval.jsonl")[-1] == read_jsonl(ref_dir / "eval.jsonl")[-1]
+
+
+CASES = [("ddp.yaml", 1), ("ddp.yaml", 3), ("zero2.yaml", 3), ("fsdp.yaml", 3)]
+
+
+@pytest.mark.parametrize("config,accum", CASES, ids=[f"{c[:-5]}-ga{a}" for c, a in CASES])
+def test_resume_equals_uninterrupted_run(tiny_model, tmp_path, config, accum):
+    flags = [*BASE, "--gradient_accumulation_steps", str(accum)]
+    launch = fp32_args(config, tmp_path)
+    ref = tmp_path / "ref"
+    run_recipe(ref, *flags, config=config, launch_args=launch)
+    assert len(losses(ref)) == 2 * {1: 13, 3: 5}[accum]
+    scenarios = SCENARIOS if config == "ddp.yaml" else {k: SCENARIOS[k] for k in ("mid_epoch_0", "twice_in_epoch_1")}
+    for name, steps in scenarios.items():
+        from_step = steps[0] if accum == 1 else steps[1]
+        out = tmp_path / name
+        out.mkdir()
+        shutil.copy(ref / "metrics.jsonl", out)  # the interrupted run's records, to be truncated at the checkpoint
+        shutil.copy(ref / "eval.jsonl", out)
+        run_recipe(out, *flags, "--resume_from_checkpoint", str(ref / "checkpoints" / f"step_{from_step}"),
+                   config=config, launch_args=launch)
+        assert_continues(ref, out, from_step, config)
+        if name == "twice_in_epoch_1":  # stop again, later in the same epoch, from the resumed run's checkpoint
+            second = SECOND_STOP[accum]
+            again = tmp_path / "again"
+            shutil.copytree(out, again, ignore=shutil.ignore_patterns("ranks", "final"))
+            run_recipe(again, *flags, "--resume_from_checkpoint", str(out / "checkpoints" / f"step_{second}"),
+                       config=config, launch_args=launch)
+            assert_continues(ref, again, second, config)
+
+
+def test_resume_refuses_other_world_size_or_accumulation(tiny_model, tmp_path):
+    run_recipe(tmp_path, *BASE, "--max_train_steps", "2")
+    ckpt = str(tmp_path / "checkpoints" / "step_2")
+    proc = run_recipe(tmp_path, *BASE, "--resume_from_checkpoint", ckpt, "--gradient_accumulation_steps", "2",
+                      config=None, check=False)
+    assert proc.returncode == 2
+    assert "gradient_accumulation_steps 1 -> 2" in proc.stderr and "world_size 2 -> 1" in proc.stderr
+    assert "--force_resume" in proc.stderr
+    (tmp_path / "checkpoints" / "step_2" / "random_states_1.pkl").unlink()
+    proc = run_recipe(tmp_path, *BASE, "--resume_from_checkpoint", "latest", config="ddp.yaml", check=False)
+    assert proc.returncode != 0 and "no RNG state for rank 1" in proc.stderr
+
+
+def test_killed_rank_fails_fast_and_resume_finishes_the_job(tiny_model, tmp_path):
+    flags = [*BASE, "--checkpointing_steps", "2"]
+    ref = tmp_path / "ref"
+    run_recipe(ref, *flags)
+    out = tmp_path / "killed"
+    started = time.monotonic()
+    proc = run_recipe(out, *flags, check=False, env={"CLS_FAULT": "step:5:1"})  # rank 1 SIGKILLed after step 5
+    elapsed = time.monotonic() - started
+    print(f"launcher exited {proc.returncode} {elapsed:.1f} s after start (watchdog timeout 120 s)")
+    assert proc.returncode != 0 and elapsed < 100
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_4"
+    run_recipe(out, *flags, "--resume_from_checkpoint", "latest")
+    assert losses(out) == losses(ref)
+    assert read_jsonl(out / "eval.jsonl")[-1] == read_jsonl(ref / "eval.jsonl")[-1]
+
+    # Killed while saving step 6: no step_6, `latest` still names step_4, and resume again ends where ref ends.
+    crashed = tmp_path / "crashed_in_save"
+    proc = run_recipe(crashed, *flags, check=False, env={"CLS_FAULT": "save:6:0"})
+    assert proc.returncode != 0
+    assert (crashed / "checkpoints" / "latest").read_text().strip() == "step_4"
+    assert not (crashed / "checkpoints" / "step_6").exists() and (crashed / "checkpoints" / "step_6.tmp").exists()
+    run_recipe(crashed, *flags, "--resume_from_checkpoint", "latest")
+    assert losses(crashed) == losses(ref)
+    assert read_jsonl(crashed / "eval.jsonl")[-1] == read_jsonl(ref / "eval.jsonl")[-1]
+
+
+@pytest.mark.parametrize("n_eval", [101, 64, 20, 1])
+def test_eval_counts_each_example_once(tiny_model, tmp_path, n_eval):
+    """101 leaves a remainder over 2 ranks x batch 16, 64 divides evenly, 20 is smaller than 2 x 16, 1 is one."""
+    import sys
+
+    from accelerate import Accelerator
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    run_recipe(tmp_path, "--max_train_steps", "1", "--max_eval_samples", str(n_eval))
+    reported = read_jsonl(tmp_path / "eval.jsonl")[-1]
+    assert reported["n_examples"] == n_eval
+    sys.path.insert(0, str(REPO / "recipes"))
+    import cls
+    import common
+
+    final = tmp_path / "final"
+    cfg = cls.parse_config(["--model_name_or_path", str(final), "--max_train_samples", "256",
+                            "--max_eval_samples", str(n_eval)])
+    accelerator = Accelerator(cpu=True)
+    _, eval_dl, _, _ = cls.get_dataloaders(cfg, accelerator, AutoTokenizer.from_pretrained(final))
+    single = cls.evaluate(AutoModelForSequenceClassification.from_pretrained(final), eval_dl, accelerator,
+                          common.load_metrics())
+    assert single["n_examples"] == n_eval and single["accuracy"] == reported["accuracy"]
+
+
+@pytest.fixture(scope="module")
+def no_dropout_model(tiny_model, tmp_path_factory):
+    """The tiny model without dropout: runs with other micro-batch shapes then do the same arithmetic."""
+    path = tmp_path_factory.mktemp("no_dropout")
+    for f in tiny_model.iterdir():
+        shutil.copy(f, path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+# Accumulation equivalence tolerance: the same 64 (or, at the end, 8) samples per step, summed in another order
+# (4 micro-batches of 8 vs 1 of 32) and padded to other lengths: float32 noise of ~1e-7 per step, through 4 Adam steps.
+ACCUM_ATOL = 1e-5
+
+
+@pytest.mark.parametrize("config", ["ddp.yaml", "zero2.yaml", "zero3.yaml"])
+def test_accumulation_8x4_equals_32x1(no_dropout_model, tmp_path, config):
+    from safetensors.torch import load_file
+
+    runs = {}
+    for micro, accum in ((8, 4), (32, 1)):
+        out = tmp_path / f"b{micro}x{accum}"
+        run_recipe(out, "--model_name_or_path", str(no_dropout_model), "--max_train_samples", "200",
+                   "--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps", str(accum),
+                   config=config, launch_args=fp32_args(config, tmp_path))
+        runs[(micro, accum)] = out
+    # 200 samples: 3 steps of 64 and a last one of 8 (one partial window of a single micro-batch at 8 x 4).
+    steps = [read_jsonl(out / "metrics.jsonl") for out in runs.values()]
+    assert [s["samples"] for s in steps[0]] == [s["samples"] for s in steps[1]] == [64, 64, 64, 8]
+    deltas = [abs(a["loss"] - b["loss"]) for a, b in zip(*steps)]
+    weights = [load_file(out / "final" / "model.safetensors") for out in runs.values()]
+    max_param = max((weights[0][k].float() - weights[1][k].float()).abs().max().item() for k in weights[0])
+    print(f"{config}: 8x4 vs 32x1: max loss diff {max(deltas):.2e}, max param diff {max_param:.2e}")
+    assert max(deltas) < ACCUM_ATOL and max_param < ACCUM_ATOL
+    for k in weights[0]:
+        torch.testing.assert_close(weights[1][k], weights[0][k], atol=ACCUM_ATOL, rtol=0)
