@@ -201,6 +201,8 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_dl, eval_dl, samp
             if step == total_steps:
                 break
     progress.close()
+    if last_eval is None:  # resumed from a checkpoint of the last step: nothing left to train
+        last_eval = {"step": step, "epoch": start_epoch, **evaluate(model, eval_dl, accelerator, metrics)}
     if cfg.record_ranks:
         common.write_rank_record(out, accelerator, model, optimizer, seen_ids)
     return last_eval

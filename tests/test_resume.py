@@ -20,7 +20,8 @@ pytestmark = pytest.mark.multiproc
 # 200 examples, micro-batch 8 on 2 ranks: 13 micro-batches per epoch, the last one with 4 examples per rank.
 # With accumulation 3 that is 5 optimizer steps per epoch, the 5th over a single micro-batch (a partial window).
 BASE = ["--max_train_samples", "200", "--max_eval_samples", "16", "--per_device_train_batch_size", "8",
-        "--num_train_epochs", "2", "--record_ranks", "--checkpointing_steps", "1"]
+        "--num_train_epochs", "2", "--record_ranks"]
+EVERY_STEP = ["--checkpointing_steps", "1"]  # the reference run leaves a checkpoint at every resume point
 MICRO_PER_EPOCH = 13
 # (resume step for accumulation 1, for accumulation 3): mid-epoch 0, mid-epoch 1, epoch boundary, twice in epoch 1.
 SCENARIOS = {"mid_epoch_0": (4, 2), "mid_epoch_1": (17, 7), "epoch_boundary": (13, 5), "twice_in_epoch_1": (15, 6)}
@@ -62,7 +63,7 @@ def test_resume_equals_uninterrupted_run(tiny_model, tmp_path, config, accum):
     flags = [*BASE, "--gradient_accumulation_steps", str(accum)]
     launch = fp32_args(config, tmp_path)
     ref = tmp_path / "ref"
-    run_recipe(ref, *flags, config=config, launch_args=launch)
+    run_recipe(ref, *flags, *EVERY_STEP, config=config, launch_args=launch)
     assert len(losses(ref)) == 2 * {1: 13, 3: 5}[accum]
     scenarios = SCENARIOS if config == "ddp.yaml" else {k: SCENARIOS[k] for k in ("mid_epoch_0", "twice_in_epoch_1")}
     for name, steps in scenarios.items():
@@ -71,10 +72,11 @@ def test_resume_equals_uninterrupted_run(tiny_model, tmp_path, config, accum):
         out.mkdir()
         shutil.copy(ref / "metrics.jsonl", out)  # the interrupted run's records, to be truncated at the checkpoint
         shutil.copy(ref / "eval.jsonl", out)
-        run_recipe(out, *flags, "--resume_from_checkpoint", str(ref / "checkpoints" / f"step_{from_step}"),
-                   config=config, launch_args=launch)
+        twice = name == "twice_in_epoch_1"
+        run_recipe(out, *flags, *(EVERY_STEP if twice else []), "--resume_from_checkpoint",
+                   str(ref / "checkpoints" / f"step_{from_step}"), config=config, launch_args=launch)
         assert_continues(ref, out, from_step, config)
-        if name == "twice_in_epoch_1":  # stop again, later in the same epoch, from the resumed run's checkpoint
+        if twice:  # stop again, later in the same epoch, from the resumed run's checkpoint
             second = SECOND_STOP[accum]
             again = tmp_path / "again"
             shutil.copytree(out, again, ignore=shutil.ignore_patterns("ranks", "final"))
@@ -84,7 +86,7 @@ def test_resume_equals_uninterrupted_run(tiny_model, tmp_path, config, accum):
 
 
 def test_resume_refuses_other_world_size_or_accumulation(tiny_model, tmp_path):
-    run_recipe(tmp_path, *BASE, "--max_train_steps", "2")
+    run_recipe(tmp_path, *BASE, *EVERY_STEP, "--max_train_steps", "2")
     ckpt = str(tmp_path / "checkpoints" / "step_2")
     proc = run_recipe(tmp_path, *BASE, "--resume_from_checkpoint", ckpt, "--gradient_accumulation_steps", "2",
                       config=None, check=False)
@@ -99,7 +101,7 @@ def test_resume_refuses_other_world_size_or_accumulation(tiny_model, tmp_path):
 def test_killed_rank_fails_fast_and_resume_finishes_the_job(tiny_model, tmp_path):
     flags = [*BASE, "--checkpointing_steps", "2"]
     ref = tmp_path / "ref"
-    run_recipe(ref, *flags)
+    run_recipe(ref, *BASE)
     out = tmp_path / "killed"
     started = time.monotonic()
     proc = run_recipe(out, *flags, check=False, env={"CLS_FAULT": "step:5:1"})  # rank 1 SIGKILLed after step 5
