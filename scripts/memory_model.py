@@ -58,6 +58,7 @@ class ModelShape:
     num_params: int
     param_numels: Optional[list] = None  # elements of each parameter tensor, when known (ZeRO-3 persistence)
     fsdp_root_params: int = 0  # elements FSDP2's root unit holds: outside the wrapped layers and input embedding
+    hidden_size: int = 0  # what Accelerate fills DeepSpeed's "auto" bucket and threshold sizes from
 
     def persistent(self, threshold: int) -> int:
         """Elements in parameters that ZeRO-3 keeps whole (numel <= threshold); 0 when the shapes are unknown."""
@@ -99,7 +100,8 @@ def shape_from_model(name_or_path: str, num_labels: int = 2) -> ModelShape:
     units.append(model.get_input_embeddings())
     in_units = {id(p) for unit in units for p in unit.parameters()}
     root = sum(p.numel() for p in model.parameters() if id(p) not in in_units)
-    return ModelShape(num_params=sum(numels), param_numels=numels, fsdp_root_params=root)
+    return ModelShape(num_params=sum(numels), param_numels=numels, fsdp_root_params=root,
+                      hidden_size=getattr(config, "hidden_size", 0))
 
 
 def load_ds_config(strategy: str) -> dict:
@@ -131,8 +133,15 @@ def predict(strategy: str, shape: ModelShape, world: int, precision: str, optimi
 
     ds = ds_config or load_ds_config(strategy)
     zero = ds["zero_optimization"]
+
+    def size(key: str, default: float, auto: int) -> int:
+        """A size from the JSON; "auto" as Accelerate fills it from the model's hidden size."""
+        value = zero.get(key, default)
+        return auto if value == "auto" else int(float(value))
+
+    hidden = shape.hidden_size or 1024  # without the model, Accelerate's "auto" cannot be known: assume 1024
     opt_where = "host" if zero.get("offload_optimizer", {}).get("device", "none") != "none" else "device"
-    bucket = int(float(zero.get("reduce_bucket_size", 5e8))) * b if zero.get("contiguous_gradients", True) else 0
+    bucket = size("reduce_bucket_size", 5e8, hidden * hidden) * b if zero.get("contiguous_gradients", True) else 0
     parts = [Part("optimizer_state", "fp32 master partition", 4 * shard, opt_where),
              Part("optimizer_state", "optimizer moments of the partition", moments * shard, opt_where)]
     if zero["stage"] == 2:
@@ -152,9 +161,9 @@ def predict(strategy: str, shape: ModelShape, world: int, precision: str, optimi
         return parts
     if zero["stage"] != 3:
         raise ValueError(f"ZeRO stage {zero['stage']} is not modelled")
-    persistent = shape.persistent(int(float(zero.get("stage3_param_persistence_threshold", 1e5))))
+    persistent = shape.persistent(size("stage3_param_persistence_threshold", 1e5, 10 * hidden))
     param_where = "host" if zero.get("offload_param", {}).get("device", "none") != "none" else "device"
-    gathered = min(P - persistent, int(float(zero.get("stage3_max_live_parameters", 1e9))))
+    gathered = min(P - persistent, size("stage3_max_live_parameters", 1e9, 10**9))
     parts += [Part("parameters", f"persistent {precision} parameters, whole", b * persistent),
               Part("parameters", f"{precision} partitions of persistent parameters", b * math.ceil(persistent / N)),
               Part("parameters", f"{precision} partitions of the others", b * math.ceil((P - persistent) / N),

@@ -73,6 +73,16 @@ def test_memory_model_keeps_small_zero3_parameters_whole():
     assert mm.totals(parts)["after_eval"] - mm.totals(parts)["resident"] == 2 * 900_000  # gathered by evaluation
 
 
+def test_memory_model_fills_auto_sizes_as_accelerate_does():
+    """"auto" bucket and persistence sizes come from the hidden size: hidden^2 and 10 x hidden elements."""
+    ds = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "contiguous_gradients": True,
+                                "stage3_param_persistence_threshold": "auto"}}
+    shape = mm.ModelShape(num_params=P, param_numels=[900_000, 1_280, 98_720], hidden_size=128)
+    parts = {p.what: p.nbytes for p in mm.predict("zero3", shape, N, "bf16", ds_config=ds)}
+    assert parts["reduce bucket"] == 2 * 128 * 128
+    assert parts["persistent bf16 parameters, whole"] == 2 * 1_280
+
+
 def test_memory_model_counts_ddp_buckets_apart_from_what_memstats_sees():
     totals = mm.totals(mm.predict("ddp", mm.ModelShape(num_params=P), N, "fp32"))
     assert totals["after_eval"] == 12 * P and totals["buffers_after_eval"] == 0
@@ -97,16 +107,24 @@ def test_memory_model_reads_the_tiny_model_shape(tiny_model):
 def test_throughput_leaves_out_the_warmup():
     metrics = [{"elapsed": e, "samples": 32, "tokens": 1000} for e in (5.0, 6.0, 7.0, 9.0)]  # step 1 is slow
     got = bench.throughput(metrics, warmup_steps=1)
-    assert got == {"samples_per_s": 96 / 4.0, "tokens_per_s": 3000 / 4.0, "step_time_s": 1.0}
+    assert got == {"samples_per_s": 96 / 4.0, "tokens_per_s": 3000 / 4.0, "step_time_s": 1.0, "fast_step_time_s": 1.0}
+
+
+def test_failure_reason_is_the_child_error_not_the_launcher_error():
+    log = ("training ...\nTraceback (most recent call last):\n  File \"recipes/cls.py\", line 9\n"
+           "ValueError: Default process group has not been initialized.\nTraceback (most recent call last):\n"
+           "subprocess.CalledProcessError: Command '['python', 'recipes/cls.py']' returned non-zero exit status 1.\n")
+    assert bench.failure_reason(log) == "ValueError: Default process group has not been initialized."
 
 
 def fake_results() -> dict:
     ok = dict(bench.Run(model="tiny", name="single", kind="strategy").__dict__, world=1, samples_per_s=150.0,
-              tokens_per_s=7000.0, step_time_s=0.2, state_measured=18_100_000, state_predicted=18_042_000,
+              tokens_per_s=7000.0, step_time_s=0.25, fast_step_time_s=0.2, state_measured=18_100_000,
+              state_predicted=18_042_000,
               memory_ratio=18_100_000 / 18_042_000, peak_rss=1_150_000_000, accuracy=0.61, final_loss=0.65,
               breakdown={"parameters": [6e6, 6e6], "optimizer_state": [12e6, 12e6],
                          "gradients_and_other": [1e5, 0]})
-    loop = dict(ok, name="loop", kind="baseline", step_time_s=0.19, samples_per_s=160.0)
+    loop = dict(ok, name="loop", kind="baseline", step_time_s=0.24, fast_step_time_s=0.19, samples_per_s=160.0)
     failed = dict(bench.Run(model="tiny", name="fsdp", kind="strategy").__dict__, status="failed",
                   reason="ValueError: no FSDP on CPU")
     runs = [ok, failed, loop]
@@ -128,10 +146,10 @@ def test_results_writer_writes_md_json_png_and_the_readme_block(tmp_path):
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = paths["md"].read_text()
     table = [line for line in md.splitlines() if line.startswith("| tiny |")]
-    assert table[0] == ("| tiny | single | 1 | fp32 | 150.0 | 7000 | 0.200 | 17.26 | 17.21 | 1.003 | 1097 "
+    assert table[0] == ("| tiny | single | 1 | fp32 | 150.0 | 7000 | 0.250 | 0.200 | 17.26 | 17.21 | 1.003 | 1097 "
                         "| 0.610 |")
     assert table[1].startswith("| tiny | fsdp | | | failed: ValueError: no FSDP on CPU |")
-    assert "recipe / hand-written loop time per step **1.053x**" in md
+    assert "tiny, time per step (p10): recipe / hand-written loop **1.053x**" in md
     assert f"![throughput and memory]({paths['png'].name})" in md
 
     readme = tmp_path / "README.md"
@@ -143,6 +161,23 @@ def test_results_writer_writes_md_json_png_and_the_readme_block(tmp_path):
     readme.write_text("# No markers\n")
     assert not bench.update_readme(readme, results, paths)
     assert readme.read_text() == "# No markers\n"
+
+
+def test_rerender_recomputes_throughput_and_ratios_from_the_run_records(tmp_path):
+    results = fake_results()
+    for run in results["runs"]:
+        run_dir = tmp_path / run["name"]
+        run_dir.mkdir()
+        run["run_dir"] = str(run_dir)
+        step = 0.5 if run["name"] == "single" else 0.4
+        (run_dir / "metrics.jsonl").write_text("".join(
+            json.dumps({"elapsed": 3.0 + i * step, "samples": 32, "tokens": 1000}) + "\n" for i in range(40)))
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    got = bench.rerender(path)
+    single = next(r for r in got["runs"] if r["name"] == "single")
+    assert single["fast_step_time_s"] == pytest.approx(0.5) and single["samples_per_s"] == pytest.approx(64.0)
+    assert got["ratios"]["tiny"]["recipe_vs_hand_loop_time"] == pytest.approx(0.5 / 0.4)
 
 
 @pytest.mark.multiproc
