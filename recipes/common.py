@@ -372,6 +372,8 @@ def optimizer_dtypes(optimizer) -> dict:
     while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
         inner = inner.optimizer
     params = [p for group in inner.param_groups for p in group["params"]]
+    # DeepSpeed ZeRO-3 (0.19.8) empties param_groups outside its step; its fp32 partitions key the state then.
+    params = params or [p for p in inner.state if torch.is_tensor(p)]
     states = [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
     return {"master_params": sorted({str(p.dtype) for p in params}),
             "optimizer_state": sorted({str(t.dtype) for t in states})}
