@@ -10,7 +10,6 @@ Output contract (in --output_dir): run_config.json, metrics.jsonl, eval.jsonl, T
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import sys
 import time
@@ -23,12 +22,12 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
-                          HfArgumentParser, get_linear_schedule_with_warmup)
+from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, HfArgumentParser,
+                          get_linear_schedule_with_warmup)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-from common import RecipeError  # noqa: E402
+from recipes import RecipeError, checkpoint, data, launch_checks, records, strategy
+from recipes.metrics import compute_metrics, load_metrics
+from recipes.probe import Probe
 
 
 @dataclass
@@ -75,44 +74,6 @@ def parse_config(argv=None) -> Config:
     return cfg
 
 
-def get_dataloaders(cfg: Config, accelerator: Accelerator, tokenizer):
-    train_raw, eval_raw = common.load_raw_splits(cfg)
-    for split, ds in (("training", train_raw), ("validation", eval_raw)):
-        common.check_columns(ds, cfg, split)
-    names = common.label_names(train_raw, eval_raw, cfg.label_column)
-    to_id = {name: i for i, name in enumerate(names)}
-
-    def encode(batch, indices):
-        enc = tokenizer(batch[cfg.text_column], truncation=True, max_length=cfg.max_length)
-        enc["labels"] = [to_id[v] if isinstance(v, str) else v for v in batch[cfg.label_column]]
-        enc["sample_id"] = indices
-        return enc
-
-    def prepare_split(ds, limit, split):
-        ds = ds.filter(lambda row: isinstance(row[cfg.text_column], str) and row[cfg.text_column].strip() != "")
-        if limit is not None:
-            ds = ds.select(range(min(limit, len(ds))))
-        if len(ds) == 0:
-            raise RecipeError(f"{split} data is empty after dropping empty texts")
-        return ds.map(encode, batched=True, with_indices=True, remove_columns=ds.column_names)
-
-    with accelerator.main_process_first():  # rank 0 tokenizes and caches; the others read its cache
-        train_ds = prepare_split(train_raw, cfg.max_train_samples, "training")
-        eval_ds = prepare_split(eval_raw, cfg.max_eval_samples, "validation")
-
-    collate = DataCollatorWithPadding(tokenizer, padding="max_length" if cfg.pad_to_max_length else "longest",
-                                      max_length=cfg.max_length)
-    sampler = common.EvenShardBatchSampler(len(train_ds), cfg.per_device_train_batch_size,
-                                           accelerator.num_processes, cfg.seed)
-    # Own generators: otherwise each new iterator draws its seed from the global RNG and shifts the dropout stream,
-    # so a resumed run (which creates its first iterator later) would no longer match the uninterrupted one.
-    train_dl = torch.utils.data.DataLoader(train_ds, batch_sampler=sampler, collate_fn=collate,
-                                           generator=torch.Generator().manual_seed(cfg.seed))
-    eval_dl = torch.utils.data.DataLoader(eval_ds, batch_size=cfg.per_device_eval_batch_size, collate_fn=collate,
-                                          generator=torch.Generator().manual_seed(cfg.seed))
-    return train_dl, eval_dl, sampler, names
-
-
 def build_model(cfg: Config, names: list[str]):
     labels = dict(num_labels=len(names), id2label=dict(enumerate(names)), label2id={n: i for i, n in enumerate(names)})
     if cfg.random_init:
@@ -121,11 +82,38 @@ def build_model(cfg: Config, names: list[str]):
     return AutoModelForSequenceClassification.from_pretrained(cfg.model_name_or_path, **labels)
 
 
+def param_groups(model, weight_decay: float) -> list[dict]:
+    """AdamW groups: weight decay on the weight matrices, none on biases and LayerNorm weights."""
+    no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight")
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if not n.endswith(no_decay)], "weight_decay": weight_decay},
+            {"params": [p for n, p in named if n.endswith(no_decay)], "weight_decay": 0.0}]
+
+
+def loss_scale(accum: int, world: int, n_window: int) -> float:
+    """The factor on a micro-batch's summed loss that makes the step's gradient the mean over the step's samples.
+
+    Wanted: after the optimizer step's last backward, every rank holds g = (1 / n_window) * sum of grad l_i over
+    the n_window samples of the step on all ranks (the window), whatever the accumulation, world size or strategy,
+    so a partial window or a short last batch is the exact mean that one large batch would give.
+
+    Each rank calls `accelerator.backward(s * L)` once per micro-batch, L the sum of the losses of its samples:
+    - Accelerate 1.15.0 (`Accelerator.backward`) divides the loss by gradient_accumulation_steps, except under
+      DeepSpeed, whose engine (0.19.8, `DeepSpeedEngine.backward`, scale_wrt_gas) divides by the same number itself:
+      each micro-batch contributes (s / accum) * grad L, summed over the window's micro-batches on the rank.
+    - The reduction then averages over the ranks: DDP's all-reduce divides by the world size, ZeRO-2/3 average their
+      reduce(-scatter) over the data-parallel group, FSDP2's reduce-scatter averages; `nn.DataParallel` runs in one
+      process (world 1) and sums the replicas' gradients onto the module, the loss being computed on the gathered
+      outputs, so nothing else divides.
+    So g = s / (accum * world) * sum over the window of grad l_i, and s = accum * world / n_window gives the mean.
+    """
+    return accum * world / n_window
+
+
 def evaluate(model, eval_dl, accelerator: Accelerator, metrics) -> dict:
     model.eval()
     predictions, references = [], []
     for batch in eval_dl:
-        batch.pop("sample_id")
         labels = batch.pop("labels")
         with torch.no_grad():
             logits = model(**batch).logits
@@ -134,37 +122,29 @@ def evaluate(model, eval_dl, accelerator: Accelerator, metrics) -> dict:
         references.append(refs.cpu())
     predictions, references = torch.cat(predictions), torch.cat(references)
     model.train()
-    return {**common.compute_metrics(metrics, predictions, references), "n_examples": len(predictions)}
+    return {**compute_metrics(metrics, predictions, references), "n_examples": len(predictions)}
 
 
-def train(cfg, accelerator, model, optimizer, scheduler, train_dl, eval_dl, sampler, metrics, out: Path,
-          start: Optional[dict] = None) -> dict:
-    world, accum = accelerator.num_processes, cfg.gradient_accumulation_steps
-    windows_per_epoch = common.num_update_steps(len(sampler.sizes), accum)
-    total_steps = cfg.max_train_steps or windows_per_epoch * cfg.num_train_epochs
-    # Samples per optimizer step on all ranks: the loss is a sum over samples divided by this count, so a step over
-    # a partial window or a short last batch is the exact mean over its samples, as one large batch would give.
-    window_samples = [sum(sampler.sizes[w * accum:(w + 1) * accum]) for w in range(windows_per_epoch)]
+def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, loaders: data.Loaders, metrics,
+          start: checkpoint.ResumePoint, probe: Probe) -> dict:
+    out, world, accum = Path(cfg.output_dir), accelerator.num_processes, cfg.gradient_accumulation_steps
+    plan = loaders.plan
     model.train()  # from_pretrained returns a model in eval mode
-    if cfg.record_ranks:
-        common.record_forward_dtypes(model)
-    start_epoch, skip, step = (start["epoch"], start["micro_in_epoch"], start["step"]) if start else (0, 0, 0)
-    progress = tqdm(total=total_steps, initial=step, disable=not accelerator.is_local_main_process, desc="train")
-    seen_ids, last_eval, t0 = [], None, time.perf_counter()
+    step, last_eval, t0 = start.step, None, time.perf_counter()
+    progress = tqdm(total=plan.total_steps, initial=step, disable=not accelerator.is_local_main_process, desc="train")
     window_sums = torch.zeros(2, device=accelerator.device)  # loss sum, non-pad tokens: one all-reduce per step
-    for epoch in range(start_epoch, math.ceil(total_steps / windows_per_epoch)):
-        sampler.set_epoch(epoch)
-        first = skip if epoch == start_epoch else 0  # skip what the checkpoint consumed, in its epoch only
-        loader = accelerator.skip_first_batches(train_dl, first) if first else train_dl
+    for epoch in range(start.epoch, plan.epochs):
+        loaders.sampler.set_epoch(epoch)
+        first = start.micro_in_epoch if epoch == start.epoch else 0  # what the checkpoint consumed, its epoch only
+        loader = accelerator.skip_first_batches(loaders.train, first) if first else loaders.train
         for micro, batch in enumerate(loader, start=first):
-            n_window = window_samples[micro // accum]
-            seen_ids.append(batch.pop("sample_id").tolist())
+            probe.batch(batch)
+            n_window = plan.window_samples[micro // accum]
             labels = batch.pop("labels")
             with accelerator.accumulate(model):
                 logits = model(**batch).logits
                 loss_sum = F.cross_entropy(logits.float(), labels, reduction="sum")
-                # Accelerate divides by `accum` and the gradient all-reduce by `world`; undo both, divide by count.
-                accelerator.backward(loss_sum * (accum * world / n_window))
+                accelerator.backward(loss_sum * loss_scale(accum, world, n_window))
                 window_sums += torch.stack([loss_sum.detach(), batch["attention_mask"].sum()])
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -180,31 +160,30 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_dl, eval_dl, samp
             loss = loss_total / n_window
             record = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "samples": n_window,
                       "tokens": int(tokens), "elapsed": time.perf_counter() - t0}
-            accelerator.log({"train/loss": loss, "train/lr": record["lr"]}, step=step)
+            accelerator.log({"train/loss": loss, "train/lr": lr}, step=step)
             if accelerator.is_main_process:
-                common.append_jsonl(out / "metrics.jsonl", record)
+                records.append_jsonl(out / "metrics.jsonl", record)
             progress.update(1)
             progress.set_postfix(loss=f"{loss:.4f}", epoch=epoch)
-            end_of_epoch = micro + 1 == len(train_dl)
-            if (cfg.eval_steps and step % cfg.eval_steps == 0) or end_of_epoch or step == total_steps:
-                last_eval = {"step": step, "epoch": epoch, **evaluate(model, eval_dl, accelerator, metrics)}
+            end_of_epoch = micro + 1 == len(loaders.train)
+            if (cfg.eval_steps and step % cfg.eval_steps == 0) or end_of_epoch or step == plan.total_steps:
+                last_eval = {"step": step, "epoch": epoch, **evaluate(model, loaders.eval, accelerator, metrics)}
                 accelerator.log({f"eval/{k}": last_eval[k] for k in ("accuracy", "f1")}, step=step)
                 if accelerator.is_main_process:
-                    common.append_jsonl(out / "eval.jsonl", last_eval)
-            common.inject_fault("step", step, accelerator.process_index)
-            if common.checkpoint_due(cfg.checkpointing_steps, step, end_of_epoch):
+                    records.append_jsonl(out / "eval.jsonl", last_eval)
+            probe.step(step)
+            if checkpoint.checkpoint_due(cfg.checkpointing_steps, step, end_of_epoch):
                 position = {"epoch": epoch + 1, "micro_in_epoch": 0} if end_of_epoch else \
                     {"epoch": epoch, "micro_in_epoch": micro + 1}
-                common.save_checkpoint(accelerator, out, {
+                checkpoint.save_checkpoint(accelerator, out, {
                     "step": step, **position, "world_size": world, "gradient_accumulation_steps": accum,
-                    "per_device_train_batch_size": cfg.per_device_train_batch_size, "seed": cfg.seed})
-            if step == total_steps:
+                    "per_device_train_batch_size": cfg.per_device_train_batch_size, "seed": cfg.seed}, probe)
+            if step == plan.total_steps:
                 break
     progress.close()
     if last_eval is None:  # resumed from a checkpoint of the last step: nothing left to train
-        last_eval = {"step": step, "epoch": start_epoch, **evaluate(model, eval_dl, accelerator, metrics)}
-    if cfg.record_ranks:
-        common.write_rank_record(out, accelerator, model, optimizer, seen_ids)
+        last_eval = {"step": step, "epoch": start.epoch, **evaluate(model, loaders.eval, accelerator, metrics)}
+    probe.finish(out, model, optimizer, accelerator.device)
     return last_eval
 
 
@@ -223,52 +202,47 @@ def save_final(accelerator: Accelerator, model, tokenizer, out: Path) -> None:
 
 
 def main(cfg: Config) -> dict:
-    accelerator = common.make_accelerator(cfg)
+    accelerator = strategy.make_accelerator(cfg)
     out = Path(cfg.output_dir)
-    resume = common.find_checkpoint(cfg, accelerator.num_processes)
+    start = checkpoint.find_checkpoint(cfg, accelerator.num_processes)
+    probe = Probe.for_run(cfg, accelerator.process_index)
     set_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path)
-    train_dl, eval_dl, sampler, names = get_dataloaders(cfg, accelerator, tokenizer)
+    with accelerator.main_process_first():  # rank 0 tokenizes and caches; the others read its cache
+        train_ds, eval_ds, names = data.prepare_datasets(cfg, tokenizer, with_ids=probe.wants_sample_ids)
+    loaders = data.build_loaders(cfg, train_ds, eval_ds, tokenizer, accelerator.num_processes)
+    total_steps = loaders.plan.total_steps
     model = build_model(cfg, names)
-    common.check_launch(cfg, model)
-    model = common.maybe_data_parallel(model, cfg, accelerator)
-
-    no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight")
-    groups = [
-        {"params": [p for n, p in model.named_parameters() if not n.endswith(no_decay)],
-         "weight_decay": cfg.weight_decay},
-        {"params": [p for n, p in model.named_parameters() if n.endswith(no_decay)], "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate)
-    windows_per_epoch = common.num_update_steps(len(sampler.sizes), cfg.gradient_accumulation_steps)
-    total_steps = cfg.max_train_steps or windows_per_epoch * cfg.num_train_epochs
+    launch_checks.check_launch(cfg, model)
+    model = strategy.maybe_data_parallel(model, cfg, accelerator)
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.learning_rate)
     scheduler = get_linear_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total_steps), total_steps)
 
-    common.fill_deepspeed_auto(accelerator, cfg)
-    model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
-    eval_dl = accelerator.prepare(eval_dl)
+    strategy.fill_deepspeed_auto(accelerator, cfg)
+    model, optimizer, loaders.train, scheduler = accelerator.prepare(model, optimizer, loaders.train, scheduler)
+    loaders.eval = accelerator.prepare(loaders.eval)
 
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        if resume:
-            common.truncate_records(out, resume[1]["step"])
+        if start.path:
+            checkpoint.truncate_records(out, start.step)
         else:
             for name in ("metrics.jsonl", "eval.jsonl"):
                 (out / name).unlink(missing_ok=True)
-        resolved = common.describe_run(cfg, accelerator, total_steps, len(train_dl.dataset), len(eval_dl.dataset))
+        resolved = records.describe_run(cfg, accelerator, total_steps, len(train_ds), len(eval_ds))
         (out / "run_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
-    accelerator.init_trackers("cls", config=common.tracker_config(asdict(cfg)))
-    with accelerator.main_process_first():
-        metrics = common.load_metrics()
+    accelerator.init_trackers("cls", config=records.tracker_config(asdict(cfg)))
+    with accelerator.main_process_first():  # rank 0 copies the metric modules into evaluate's cache first
+        metrics = load_metrics()
 
-    accelerator.print(f"training {len(train_dl.dataset)} examples for {total_steps} steps on {accelerator.num_processes}"
+    accelerator.print(f"training {len(train_ds)} examples for {total_steps} steps on {accelerator.num_processes}"
                       f" process(es), {accelerator.distributed_type.value}, precision {accelerator.mixed_precision}")
     set_seed(cfg.seed, device_specific=True)  # per-rank dropout streams, identical whatever the strategy's init did
-    if resume:
-        common.load_checkpoint(accelerator, resume[0])  # model, optimizer, scheduler, RNG states of every rank
-        accelerator.print(f"resumed from {resume[0]} at step {resume[1]['step']}")
-    result = train(cfg, accelerator, model, optimizer, scheduler, train_dl, eval_dl, sampler, metrics, out,
-                   start=resume[1] if resume else None)
+    if start.path:
+        checkpoint.load_checkpoint(accelerator, start.path)  # model, optimizer, scheduler, RNG states of every rank
+        accelerator.print(f"resumed from {start.path} at step {start.step}")
+    probe.watch(model)
+    result = train(cfg, accelerator, model, optimizer, scheduler, loaders, metrics, start, probe)
     save_final(accelerator, model, tokenizer, out)
     accelerator.end_training()
     accelerator.print(f"eval accuracy {result['accuracy']:.4f} f1 {result['f1']:.4f} "

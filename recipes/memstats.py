@@ -11,7 +11,7 @@ counted once, in the first of these groups that reaches it:
   (fp32 master weights of ZeRO / mixed precision);
 - other: every other live tensor (DeepSpeed gradient partitions and reduce buckets, buffers, the last batch).
 
-`rank_memory` is called after training and the final evaluation (see common.write_rank_record), when
+`rank_memory` is called after training and the final evaluation (see probe.Probe.finish), when
 `optimizer.zero_grad()` has set the `.grad`s to None: the record is what a rank keeps between optimizer steps, plus
 what the evaluation's forward pass left gathered (ZeRO-3 parameters, FSDP2's root unit). scripts/memory_model.py
 predicts that as "after_eval". Tensors that live only in C++ (DDP's gradient buckets) are not visible to the garbage
@@ -59,7 +59,8 @@ def live_storages() -> dict:
 
 
 def innermost_optimizer(optimizer):
-    """The torch optimizer that holds the state, under Accelerate's and DeepSpeed's wrappers."""
+    """The torch optimizer that holds the state, under Accelerate's and DeepSpeed's wrappers (each keeps the one it
+    wraps as `.optimizer`; a torch optimizer has no such attribute)."""
     while hasattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer
     return optimizer

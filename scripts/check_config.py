@@ -6,242 +6,39 @@
 Prints "ok: <file>" or one line per problem, and exits with status 1 when there is a problem. Run it from the
 repository root: like `accelerate launch`, it reads `deepspeed_config_file` relative to the current directory.
 Recipe flags are those of recipes/cls.py; the ones not given take its defaults. Without --model_name_or_path the
-FSDP wrap classes are not checked.
-
-Inside a launched process the YAML is gone, only the environment `accelerate launch` made from it is left:
-`check_launch_env(os.environ, asdict(cfg), model)` runs the same checks from there. Accelerate and DeepSpeed catch
-some of these mistakes themselves, but only once the data is tokenized and the model built; some never.
+FSDP wrap classes are not checked. The checks themselves are recipes/launch_checks.py, which the recipe also runs
+at start-up.
 """
 from __future__ import annotations
 
-import functools
-import json
 import os
 import sys
 from dataclasses import fields
 from pathlib import Path
 
+from recipes import launch_checks
+from recipes.cls import Config
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# DeepSpeed ignores unknown top-level keys without a word, so a misspelt key silently falls back to its default.
-# What our JSONs use, plus the common keys of the DeepSpeed configuration reference.
-DS_TOP_KEYS = {
-    "bf16", "fp16", "amp", "torch_autocast", "train_batch_size", "train_micro_batch_size_per_gpu",
-    "gradient_accumulation_steps", "gradient_clipping", "optimizer", "scheduler", "zero_optimization",
-    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "steps_per_print", "wall_clock_breakdown",
-    "memory_breakdown", "dump_state", "prescale_gradients", "gradient_predivide_factor", "communication_data_type",
-    "data_types", "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet",
-    "comms_logger", "checkpoint", "aio", "elasticity", "autotuning", "compile", "dataloader_drop_last",
-}
-# DeepSpeed refuses unknown zero_optimization keys, but only inside deepspeed.initialize, after the model is built.
-DS_ZERO_KEYS = {
-    "stage", "allgather_partitions", "allgather_bucket_size", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
-    "contiguous_gradients", "offload_optimizer", "offload_param", "sub_group_size", "round_robin_gradients",
-    "load_from_fp32_weights", "elastic_checkpoint", "ignore_unused_parameters", "use_multi_rank_bucket_allreduce",
-    "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients", "memory_efficient_linear",
-    "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
-    "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
-    "stage3_gather_fp16_weights_on_model_save", "stage3_module_granularity_threshold",
-}
-# deepspeed_config sub-keys that accelerate 1.15.0 refuses next to a deepspeed_config_file: the JSON owns them.
-DS_KEYS_OWNED_BY_JSON = {"gradient_accumulation_steps", "gradient_clipping", "zero_stage", "offload_optimizer_device",
-                         "offload_param_device", "offload_param_nvme_path", "offload_optimizer_nvme_path",
-                         "zero3_save_16bit_model"}
 
 
 def recipe_flags(recipe: dict) -> dict:
-    """The recipe flags, with the defaults of `Config` in recipes/cls.py for the keys not given."""
-    if {"per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm"} <= set(recipe):
-        return recipe  # all the checks need: e.g. asdict(cfg) from inside the recipe
-    sys.path.insert(0, str(REPO_ROOT / "recipes"))
-    from cls import Config  # imported here, not at the top: the recipe imports this module
-
+    """The recipe flags given, completed with the defaults of `Config` in recipes/cls.py."""
     return {**{f.name: f.default for f in fields(Config)}, **recipe}
 
 
-@functools.lru_cache(maxsize=1)
-def accelerate_keys() -> tuple[set, set, set]:
-    """The keys accelerate reads: top-level YAML keys, fsdp_config sub-keys, deepspeed_config sub-keys."""
-    from accelerate.commands.config.config_args import ClusterConfig
-    from accelerate.commands.launch import launch_command_parser
-
-    # `accelerate launch` copies each sub-key onto the launch flag of the same name and drops the others silently;
-    # fp16 and dynamo_backend are old top-level spellings it still converts.
-    groups = {g.title: {a.dest for a in g._group_actions} for g in launch_command_parser()._action_groups}
-    top = set(ClusterConfig.__dataclass_fields__) | {"fp16", "dynamo_backend"}
-    return top, groups["FSDP Arguments"] | {"fsdp_ignored_modules"}, groups["DeepSpeed Arguments"]
-
-
-@functools.lru_cache(maxsize=8)
-def model_class_names(model_path: str) -> frozenset:
-    """Class names of the classifier's modules, from a skeleton on the meta device (no weights, no memory)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
-    config = AutoConfig.from_pretrained(model_path)
-    with torch.device("meta"):
-        model = AutoModelForSequenceClassification.from_config(config)
-    return frozenset(type(m).__name__ for m in model.modules())
-
-
-def wrap_class_problems(wrap: str, class_names, where: str) -> list[str]:
-    problems = []
-    # Accelerate 1.15.0 splits the list on "," without stripping, so "A, B" looks for a class named " B".
-    if any(name != name.strip() for name in str(wrap).split(",")):
-        problems.append(f"FSDP wrap class list '{wrap}' has spaces: accelerate 1.15.0 does not strip them, "
-                        "write it as A,B")
-    layers = ", ".join(sorted(n for n in class_names if n.endswith(("Layer", "Block")))) or "none"
-    problems += [f"FSDP wrap class '{name}' is not a module of {where} (its layer classes: {layers}); accelerate "
-                 "would fail in prepare()" for name in (n.strip() for n in str(wrap).split(","))
-                 if name and name not in class_names]
-    return problems
-
-
-def precision_problems(mixed_precision: str | None, ds: dict, path: str) -> list[str]:
-    """Precision is set once, in the JSON: accelerate and DeepSpeed would each apply their own."""
-    enabled = [k for k in ("bf16", "fp16") if isinstance(ds.get(k), dict) and ds[k].get("enabled") is True]
-    problems = [f"{path} enables both bf16 and fp16"] if len(enabled) == 2 else []
-    if mixed_precision in enabled:
-        problems.append(f"mixed precision set twice: mixed_precision={mixed_precision} and {path} "
-                        f"{mixed_precision}.enabled; keep it in the JSON only")
-    elif enabled and mixed_precision not in (None, "no"):
-        problems.append(f"mixed precision disagrees: mixed_precision={mixed_precision} but {path} enables "
-                        f"{enabled[0]}; keep it in the JSON only")
-    return problems
-
-
-def deepspeed_problems(path: str, mixed_precision, mp_from_yaml: bool, recipe: dict, world: int | None) -> list[str]:
-    """Problems of the DeepSpeed JSON at `path` and of the precision and batch settings around it."""
-    try:
-        ds = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        return [f"deepspeed_config_file '{path}' not found (relative paths are read from where you launch)"]
-    except json.JSONDecodeError as err:
-        return [f"deepspeed_config_file '{path}' is not valid JSON (line {err.lineno}, column {err.colno}): {err.msg}"]
-    if not isinstance(ds, dict):
-        return [f"deepspeed_config_file '{path}' does not hold a JSON object"]
-    problems = precision_problems(mixed_precision, ds, path)
-    if mp_from_yaml and not problems:  # accelerate's own check, which counts even "no"
-        problems.append(f"mixed_precision: {mixed_precision} next to a deepspeed_config_file: accelerate 1.15.0 "
-                        "refuses any mixed_precision key there (even \"no\"); delete it, precision lives in the JSON")
-    problems += [f"unknown key '{k}' in {path}" for k in sorted(set(ds) - DS_TOP_KEYS)]
-    zero = ds.get("zero_optimization")
-    if not isinstance(zero, dict):
-        problems.append(f"{path} has no zero_optimization section (accelerate requires one)")
-    else:
-        problems += [f"unknown key 'zero_optimization.{k}' in {path}" for k in sorted(set(zero) - DS_ZERO_KEYS)]
-        gathers = zero.get("stage3_gather_16bit_weights_on_model_save",
-                           zero.get("stage3_gather_fp16_weights_on_model_save"))
-        if zero.get("stage") == 3 and gathers is not True:  # the recipe's save_final would fail after all the training
-            problems.append(f"{path} is ZeRO-3 without stage3_gather_16bit_weights_on_model_save: true, so writing "
-                            "final/ fails after training")
-    for key, flag in (("train_micro_batch_size_per_gpu", "per_device_train_batch_size"),
-                      ("gradient_accumulation_steps", "gradient_accumulation_steps"),
-                      ("gradient_clipping", "max_grad_norm")):
-        value = ds.get(key, "auto")
-        if value != "auto" and value != recipe[flag]:  # inside the engine the JSON wins: the flag would be ignored
-            problems.append(f"{key}={value} in {path} but --{flag} {recipe[flag]}; set it to \"auto\" or pass "
-                            f"--{flag} {value}")
-    micro, accum = recipe["per_device_train_batch_size"], recipe["gradient_accumulation_steps"]
-    total = ds.get("train_batch_size", "auto")
-    if total != "auto" and world is not None and total != micro * accum * world:
-        problems.append(f"train_batch_size={total} in {path} but micro-batch {micro} x accumulation {accum} x "
-                        f"{world} processes = {micro * accum * world}")
-    return problems
-
-
 def check_yaml(yaml_path: str, recipe: dict, model_path: str | None = None) -> list[str]:
-    """Problems of an accelerate launch YAML, the DeepSpeed JSON it names and the recipe flags; [] when clean.
-
-    The FSDP wrap classes are checked against the model at `model_path` when it is given.
-    """
-    import yaml
-    from accelerate.utils import DistributedType, PrecisionType
-
-    if not Path(yaml_path).is_file():
-        return [f"config file not found: {yaml_path}"]
-    try:
-        data = yaml.safe_load(Path(yaml_path).read_text())
-    except yaml.YAMLError as err:
-        return [f"not valid YAML: {' '.join(str(err).split())}"]
-    if not isinstance(data, dict):
-        return ["not a YAML mapping of accelerate settings"]
-    recipe = recipe_flags(recipe)
-    top_keys, fsdp_keys, ds_keys = accelerate_keys()
-    fsdp = {k if k.startswith("fsdp") else f"fsdp_{k}": v for k, v in (data.get("fsdp_config") or {}).items()}
-    ds_section = data.get("deepspeed_config") or {}
-    problems = [f"unknown key '{k}' (accelerate launch refuses it)" for k in sorted(set(data) - top_keys)]
-    problems += [f"unknown key 'fsdp_config.{k}' (accelerate ignores it)" for k in sorted(set(fsdp) - fsdp_keys)]
-    problems += [f"unknown key 'deepspeed_config.{k}' (accelerate ignores it)"
-                 for k in sorted(set(ds_section) - ds_keys)]
-
-    # YAML 1.1 reads an unquoted NO / no as the boolean false, which accelerate then fails on.
-    unquoted = "; an unquoted NO/no reads as YAML false: quote it"
-    kind, mixed_precision = data.get("distributed_type"), data.get("mixed_precision")
-    if str(kind) not in [t.value for t in DistributedType]:
-        problems.append(f"unknown distributed_type '{kind}' (one of {', '.join(t.value for t in DistributedType)})"
-                        + unquoted * isinstance(kind, bool))
-    if mixed_precision is not None and str(mixed_precision) not in PrecisionType.list():
-        problems.append(f"unknown mixed_precision '{mixed_precision}' (one of {', '.join(PrecisionType.list())})"
-                        + unquoted * isinstance(mixed_precision, bool))
-    for section, owner in (("fsdp_config", "FSDP"), ("deepspeed_config", "DEEPSPEED")):
-        if data.get(section) and kind != owner:
-            problems.append(f"{section} is set but distributed_type is {kind}, so it is ignored")
-
-    world, machines = data.get("num_processes"), data.get("num_machines", 1)
-    if not isinstance(machines, int) or machines < 1:
-        problems.append(f"num_machines={machines} must be an integer >= 1")
-    if world is not None and (not isinstance(world, int) or world < 1):
-        problems.append(f"num_processes={world} must be an integer >= 1")
-        world = None
-    elif world is not None and isinstance(machines, int) and machines >= 1 and world % machines:
-        problems.append(f"num_processes={world} is not divisible by num_machines={machines}")
-
-    if kind == "DEEPSPEED" and ds_section.get("deepspeed_config_file"):
-        path = str(ds_section["deepspeed_config_file"])
-        problems += [f"deepspeed_config.{k} next to deepspeed_config_file: accelerate 1.15.0 refuses it; set it in "
-                     f"{path}" for k in sorted(DS_KEYS_OWNED_BY_JSON & set(ds_section))]
-        problems += deepspeed_problems(path, mixed_precision, "mixed_precision" in data, recipe, world)
-    if kind == "FSDP":
-        if fsdp.get("fsdp_cpu_ram_efficient_loading") is True and fsdp.get("fsdp_sync_module_states") is False:
-            problems.append("fsdp_cpu_ram_efficient_loading needs fsdp_sync_module_states: true (accelerate refuses)")
-        wrap = fsdp.get("fsdp_transformer_layer_cls_to_wrap")
-        if wrap and model_path:
-            try:
-                problems += wrap_class_problems(wrap, model_class_names(str(model_path)), model_path)
-            except (OSError, ValueError) as err:
-                problems.append(f"cannot build the model skeleton from {model_path}: {' '.join(str(err).split())}")
-    return problems
+    """launch_checks.check_yaml with the recipe defaults for the flags not in `recipe`."""
+    return launch_checks.check_yaml(yaml_path, recipe_flags(recipe), model_path)
 
 
 def check_launch_env(env: dict, recipe: dict, model=None) -> list[str]:
-    """The same checks inside a launched process, from the environment `accelerate launch` set; [] when clean.
-
-    Local and cheap (one small JSON read, no collective), so every rank can call it before building anything big.
-    `model` is the built model, before `prepare`; without it the FSDP wrap classes are not checked.
-    """
-    recipe = recipe_flags(recipe)
-    problems = []
-    world = str(env.get("WORLD_SIZE", "1"))
-    if not world.isdigit() or int(world) < 1:
-        problems.append(f"WORLD_SIZE={world} must be an integer >= 1")
-    elif env.get("ACCELERATE_USE_DEEPSPEED") == "true" and env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):
-        # ACCELERATE_MIXED_PRECISION is always set ("no" by default); ACCELERATE_CONFIG_DS_FIELDS names the
-        # DeepSpeed-related keys that came from the YAML, mixed_precision among them when the YAML set it.
-        mixed_precision = env.get("ACCELERATE_MIXED_PRECISION", "no")
-        from_yaml = "mixed_precision" in env.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",")
-        path = env["ACCELERATE_DEEPSPEED_CONFIG_FILE"]
-        problems += deepspeed_problems(path, mixed_precision, from_yaml, recipe, int(world))
-    wrap = env.get("FSDP_TRANSFORMER_CLS_TO_WRAP")
-    if env.get("ACCELERATE_USE_FSDP") == "true" and wrap and model is not None:
-        problems += wrap_class_problems(wrap, {type(m).__name__ for m in model.modules()}, "the model")
-    return problems
+    """launch_checks.check_launch_env with the recipe defaults for the flags not in `recipe`."""
+    return launch_checks.check_launch_env(env, recipe_flags(recipe), model)
 
 
 def main(argv=None) -> int:
     from transformers import HfArgumentParser
-
-    sys.path.insert(0, str(REPO_ROOT / "recipes"))
-    from cls import Config
 
     # The recipe's own flags, unabbreviated as in the recipe: a flag the recipe does not know fails here too.
     parser = HfArgumentParser(Config, allow_abbrev=False, description="Check accelerate launch YAMLs, their "
@@ -257,7 +54,7 @@ def main(argv=None) -> int:
         parser.error("give YAML files or --all")
     failed = False
     for path in paths:
-        problems = check_yaml(path, recipe, args.model_name_or_path)
+        problems = launch_checks.check_yaml(path, recipe, args.model_name_or_path)
         print("\n".join(f"{path}: {problem}" for problem in problems) or f"ok: {path}")
         failed |= bool(problems)
     return 1 if failed else 0

@@ -89,12 +89,10 @@ def fsdp_wrapped_layers() -> list:
 
 def shape_from_model(name_or_path: str, num_labels: int = 2) -> ModelShape:
     """Parameter shapes of a sequence classifier, built on the meta device: no weights loaded, no memory used."""
-    import torch
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from recipes.launch_checks import model_skeleton
 
-    config = AutoConfig.from_pretrained(name_or_path, num_labels=num_labels)
-    with torch.device("meta"):
-        model = AutoModelForSequenceClassification.from_config(config)
+    model = model_skeleton(name_or_path, num_labels)
+    config = model.config
     numels = [p.numel() for p in model.parameters()]
     units = [m for m in model.modules() if type(m).__name__ in fsdp_wrapped_layers()]
     units.append(model.get_input_embeddings())

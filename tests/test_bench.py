@@ -9,15 +9,11 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
-from conftest import REPO
-
-sys.path.insert(0, str(REPO / "scripts"))
-import bench  # noqa: E402
-import memory_model as mm  # noqa: E402
+from scripts import bench, bench_report
+from scripts import memory_model as mm
 
 P, N = 1_000_000, 4
 BUCKET = 500_000_000  # reduce_bucket_size of the shipped DeepSpeed JSONs, in elements
@@ -106,7 +102,7 @@ def test_memory_model_reads_the_tiny_model_shape(tiny_model):
 
 def test_throughput_leaves_out_the_warmup():
     metrics = [{"elapsed": e, "samples": 32, "tokens": 1000} for e in (5.0, 6.0, 7.0, 9.0)]  # step 1 is slow
-    got = bench.throughput(metrics, warmup_steps=1)
+    got = bench_report.throughput(metrics, warmup_steps=1)
     assert got == {"samples_per_s": 96 / 4.0, "tokens_per_s": 3000 / 4.0, "step_time_s": 1.0, "fast_step_time_s": 1.0}
 
 
@@ -140,7 +136,7 @@ def fake_results() -> dict:
 
 def test_results_writer_writes_md_json_png_and_the_readme_block(tmp_path):
     results = fake_results()
-    paths = bench.write_results(results, tmp_path / "results")
+    paths = bench_report.write_results(results, tmp_path / "results")
     assert {p.name for p in paths.values()} == {f"2026-01-02_cpu_box.{ext}" for ext in ("md", "json", "png")}
     assert json.loads(paths["json"].read_text())["runs"] == results["runs"]
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -153,13 +149,13 @@ def test_results_writer_writes_md_json_png_and_the_readme_block(tmp_path):
     assert f"![throughput and memory]({paths['png'].name})" in md
 
     readme = tmp_path / "README.md"
-    readme.write_text(f"# Title\n\nbefore\n{bench.README_START}\nold table\n{bench.README_END}\nafter\n")
-    assert bench.update_readme(readme, results, paths)
+    readme.write_text(f"# Title\n\nbefore\n{bench_report.README_START}\nold table\n{bench_report.README_END}\nafter\n")
+    assert bench_report.update_readme(readme, results, paths)
     text = readme.read_text()
     assert "old table" not in text and text.startswith("# Title\n\nbefore\n") and text.endswith("after\n")
     assert "| tiny | single | 1 | fp32 | 150.0 |" in text and "results/2026-01-02_cpu_box.png" in text
     readme.write_text("# No markers\n")
-    assert not bench.update_readme(readme, results, paths)
+    assert not bench_report.update_readme(readme, results, paths)
     assert readme.read_text() == "# No markers\n"
 
 
@@ -174,7 +170,7 @@ def test_rerender_recomputes_throughput_and_ratios_from_the_run_records(tmp_path
             json.dumps({"elapsed": 3.0 + i * step, "samples": 32, "tokens": 1000}) + "\n" for i in range(40)))
     path = tmp_path / "results.json"
     path.write_text(json.dumps(results))
-    got = bench.rerender(path)
+    got = bench_report.rerender(path)
     single = next(r for r in got["runs"] if r["name"] == "single")
     assert single["fast_step_time_s"] == pytest.approx(0.5) and single["samples_per_s"] == pytest.approx(64.0)
     assert got["ratios"]["tiny"]["recipe_vs_hand_loop_time"] == pytest.approx(0.5 / 0.4)

@@ -5,15 +5,14 @@ Fast tier: no process is launched; the launched-process environment is made by a
 """
 from __future__ import annotations
 
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
-import check_config  # noqa: E402
+from helpers import REPO
+from recipes import launch_checks
+from scripts import check_config
 
 BAD = "tests/fixtures/bad_configs"
 SHIPPED = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "accelerate_configs").glob("*.yaml"))
@@ -121,7 +120,7 @@ def test_zero_keys_are_known_to_deepspeed():
 
     known = set(DeepSpeedZeroConfig.model_fields)
     known |= {f.alias for f in DeepSpeedZeroConfig.model_fields.values() if f.alias}
-    assert check_config.DS_ZERO_KEYS <= known
+    assert launch_checks.DS_ZERO_KEYS <= known
 
 
 def test_cli(capsys, tiny_model):

@@ -3,16 +3,13 @@ down, final/ reloads and reproduces the reported accuracy, and bad input fails w
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO, losses, read_jsonl, rank_records, run_recipe
-
-sys.path.insert(0, str(REPO / "recipes"))
-import cls  # noqa: E402
-import common  # noqa: E402
+from helpers import eval_loader, losses, rank_records, read_jsonl, run_recipe
+from recipes import cls, data
+from recipes.metrics import compute_metrics, load_metrics
 
 N_TRAIN, N_EVAL = 256, 101
 
@@ -74,9 +71,9 @@ def test_final_model_reloads_and_reproduces_accuracy(ddp_run):
     cfg = cls.parse_config(["--model_name_or_path", str(final), "--max_train_samples", "64",
                             "--max_eval_samples", str(N_EVAL)])
     accelerator = Accelerator(cpu=True)
-    _, eval_dl, _, names = cls.get_dataloaders(cfg, accelerator, tokenizer)
+    eval_dl, names = eval_loader(cfg, tokenizer)
     assert model.config.id2label == dict(enumerate(names)) == {0: "negative", 1: "positive"}
-    result = cls.evaluate(model, eval_dl, accelerator, common.load_metrics())
+    result = cls.evaluate(model, eval_dl, accelerator, load_metrics())
     reported = read_jsonl(ddp_run / "eval.jsonl")[-1]
     assert result["n_examples"] == N_EVAL
     assert result["accuracy"] == reported["accuracy"] and result["f1"] == pytest.approx(reported["f1"], abs=1e-12)
@@ -87,6 +84,7 @@ def test_data_parallel_falls_back_to_one_device_on_cpu(tiny_model, tmp_path):
     assert "falling back to one device" in proc.stdout
     assert read_jsonl(tmp_path / "eval.jsonl")[-1]["n_examples"] == N_EVAL
     assert (tmp_path / "final" / "model.safetensors").exists()
+    assert not (tmp_path / "ranks").exists()  # the test probe is inert without --record_ranks
 
 
 def test_string_labels_from_csv_are_mapped_and_saved(tiny_model, tmp_path):
@@ -141,7 +139,7 @@ def test_missing_launch_config_is_refused(tmp_path):
 @pytest.mark.parametrize("n,batch,world", [(256, 16, 2), (101, 16, 2), (33, 16, 2), (3, 16, 2), (65, 32, 2),
                                            (17, 4, 3), (1, 8, 1)])
 def test_even_shard_sampler_deals_every_sample_once_and_evenly(n, batch, world):
-    sampler = common.EvenShardBatchSampler(n, batch, world, seed=0)
+    sampler = data.EvenShardBatchSampler(n, batch, world, seed=0)
     batches = list(sampler)
     assert len(batches) == len(sampler) and len(batches) % world == 0
     per_rank = [batches[r::world] for r in range(world)]
@@ -149,14 +147,14 @@ def test_even_shard_sampler_deals_every_sample_once_and_evenly(n, batch, world):
     assert sorted(i for b in batches for i in b) == list(range(n))
     assert all(len(b) > 0 for b in batches)
     assert [sum(len(b) for b in batches[k * world:(k + 1) * world]) for k in range(len(batches) // world)] == \
-        common.round_sizes(n, batch, world)
+        data.round_sizes(n, batch, world)
     sampler.set_epoch(1)
     assert list(sampler) != batches or n == 1  # a new epoch reshuffles
 
 
 def test_shipped_metrics_match_hand_computed_values():
-    metrics = common.load_metrics()
+    metrics = load_metrics()
     preds, refs = [0, 1, 1, 0, 2], [0, 1, 0, 0, 2]
     # class 0: tp 2 fp 0 fn 1 -> 0.8; class 1: tp 1 fp 1 fn 0 -> 2/3; class 2: 1.0
-    assert common.compute_metrics(metrics, torch.tensor(preds), torch.tensor(refs)) == \
+    assert compute_metrics(metrics, torch.tensor(preds), torch.tensor(refs)) == \
         pytest.approx({"accuracy": 0.8, "f1": (0.8 + 2 / 3 + 1.0) / 3})

@@ -13,7 +13,9 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, losses, rank_records, read_jsonl, run_recipe
+from helpers import eval_loader, fp32_launch_args, losses, rank_records, read_jsonl, run_recipe
+from recipes import cls
+from recipes.metrics import load_metrics
 
 pytestmark = pytest.mark.multiproc
 
@@ -26,16 +28,6 @@ MICRO_PER_EPOCH = 13
 # (resume step for accumulation 1, for accumulation 3): mid-epoch 0, mid-epoch 1, epoch boundary, twice in epoch 1.
 SCENARIOS = {"mid_epoch_0": (4, 2), "mid_epoch_1": (17, 7), "epoch_boundary": (13, 5), "twice_in_epoch_1": (15, 6)}
 SECOND_STOP = {1: 20, 3: 8}
-
-
-def fp32_args(config: str, tmp_path) -> list[str]:
-    if config.startswith("zero"):
-        ds = json.loads((REPO / "ds_configs" / config.replace(".yaml", ".json")).read_text())
-        ds["bf16"]["enabled"] = False
-        path = tmp_path / "fp32.json"
-        path.write_text(json.dumps(ds))
-        return ["--deepspeed_config_file", str(path)]
-    return ["--mixed_precision", "no"] if config == "fsdp.yaml" else []
 
 
 def consumed(ref_dir, step: int) -> int:
@@ -61,7 +53,7 @@ CASES = [("ddp.yaml", 1), ("ddp.yaml", 3), ("zero2.yaml", 3), ("fsdp.yaml", 3)]
 @pytest.mark.parametrize("config,accum", CASES, ids=[f"{c[:-5]}-ga{a}" for c, a in CASES])
 def test_resume_equals_uninterrupted_run(tiny_model, tmp_path, config, accum):
     flags = [*BASE, "--gradient_accumulation_steps", str(accum)]
-    launch = fp32_args(config, tmp_path)
+    launch = fp32_launch_args(config, tmp_path)
     ref = tmp_path / "ref"
     run_recipe(ref, *flags, *EVERY_STEP, config=config, launch_args=launch)
     assert len(losses(ref)) == 2 * {1: 13, 3: 5}[accum]
@@ -127,25 +119,19 @@ def test_killed_rank_fails_fast_and_resume_finishes_the_job(tiny_model, tmp_path
 @pytest.mark.parametrize("n_eval", [101, 64, 20, 1])
 def test_eval_counts_each_example_once(tiny_model, tmp_path, n_eval):
     """101 leaves a remainder over 2 ranks x batch 16, 64 divides evenly, 20 is smaller than 2 x 16, 1 is one."""
-    import sys
-
     from accelerate import Accelerator
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     run_recipe(tmp_path, "--max_train_steps", "1", "--max_eval_samples", str(n_eval))
     reported = read_jsonl(tmp_path / "eval.jsonl")[-1]
     assert reported["n_examples"] == n_eval
-    sys.path.insert(0, str(REPO / "recipes"))
-    import cls
-    import common
-
     final = tmp_path / "final"
     cfg = cls.parse_config(["--model_name_or_path", str(final), "--max_train_samples", "256",
                             "--max_eval_samples", str(n_eval)])
     accelerator = Accelerator(cpu=True)
-    _, eval_dl, _, _ = cls.get_dataloaders(cfg, accelerator, AutoTokenizer.from_pretrained(final))
+    eval_dl, _ = eval_loader(cfg, AutoTokenizer.from_pretrained(final))
     single = cls.evaluate(AutoModelForSequenceClassification.from_pretrained(final), eval_dl, accelerator,
-                          common.load_metrics())
+                          load_metrics())
     assert single["n_examples"] == n_eval and single["accuracy"] == reported["accuracy"]
 
 
@@ -175,7 +161,7 @@ def test_accumulation_8x4_equals_32x1(no_dropout_model, tmp_path, config):
         out = tmp_path / f"b{micro}x{accum}"
         run_recipe(out, "--model_name_or_path", str(no_dropout_model), "--max_train_samples", "200",
                    "--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps", str(accum),
-                   config=config, launch_args=fp32_args(config, tmp_path))
+                   config=config, launch_args=fp32_launch_args(config, tmp_path))
         runs[(micro, accum)] = out
     # 200 samples: 3 steps of 64 and a last one of 8 (one partial window of a single micro-batch at 8 x 4).
     steps = [read_jsonl(out / "metrics.jsonl") for out in runs.values()]

@@ -14,7 +14,8 @@ import subprocess
 import pytest
 import torch
 
-from conftest import ACCELERATE, REPO, TINY_FLAGS, free_port, losses, rank_records, read_jsonl, run_recipe
+from helpers import (ACCELERATE, REPO, TINY_FLAGS, fp32_launch_args, free_port, losses, rank_records, read_jsonl,
+                     run_recipe)
 
 pytestmark = pytest.mark.multiproc
 
@@ -60,17 +61,6 @@ def test_shipped_config_trains_to_completion(tiny_model, tmp_path, config):
     else:
         assert dtypes == {"forward_weight": "torch.float32", "forward_output": "torch.float32",
                           "master_params": ["torch.float32"], "optimizer_state": ["torch.float32"]}
-
-
-def fp32_launch_args(config: str, tmp_path) -> list[str]:
-    """The shipped config, switched to fp32: a JSON copy with bf16 off for DeepSpeed, a flag for FSDP."""
-    if config.startswith("zero"):
-        ds = json.loads((REPO / "ds_configs" / config.replace(".yaml", ".json")).read_text())
-        ds["bf16"]["enabled"] = False
-        path = tmp_path / f"fp32_{config}.json"
-        path.write_text(json.dumps(ds))
-        return ["--deepspeed_config_file", str(path)]
-    return ["--mixed_precision", "no"]
 
 
 @pytest.fixture(scope="module")

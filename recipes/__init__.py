@@ -1,0 +1,8 @@
+"""Accelerate / DeepSpeed recipes for fine-tuning RoBERTa-style encoders on text classification.
+
+`recipes/cls.py` is the recipe; the modules beside it each hold one concern (see the README's file tree).
+"""
+
+
+class RecipeError(Exception):
+    """Bad input from the user: printed once as one `error: ...` line, exit status 2, nothing written."""

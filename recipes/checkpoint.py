@@ -1,0 +1,114 @@
+"""Checkpoints for exact resume: save atomically, find the one to resume from, load and verify it, trim records.
+
+A checkpoint is `checkpoints/step_N/` (Accelerate's `save_state`: model, optimizer, scheduler, every rank's RNG
+states; DeepSpeed and FSDP shards from every rank) plus `trainer_state.json`, the position in the data. The file
+`checkpoints/latest` names the newest complete one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from recipes import RecipeError
+
+# Settings that fix the sample order: a resume with other values would not continue the same training.
+RESUME_KEYS = ("world_size", "gradient_accumulation_steps", "per_device_train_batch_size", "seed")
+
+
+@dataclass
+class ResumePoint:
+    """Where training (re)starts: optimizer steps done, and the epoch and micro-batch the data continues from."""
+
+    step: int = 0
+    epoch: int = 0
+    micro_in_epoch: int = 0
+    path: Optional[Path] = None  # the checkpoint folder; None for a fresh start
+
+
+def checkpoint_due(every: str | None, step: int, end_of_epoch: bool) -> bool:
+    if not every:
+        return False
+    if every == "epoch":
+        return end_of_epoch
+    return step % int(every) == 0
+
+
+def save_checkpoint(accelerator, out: Path, state: dict, probe) -> None:
+    """Save everything resume needs, atomically: a complete checkpoint or none.
+
+    Every rank writes into checkpoints/step_N.tmp (DeepSpeed and FSDP save shards from every rank, and each rank its
+    RNG state); only when all are done does rank 0 rename it to step_N and then replace the `latest` pointer file, so
+    a crash at any point leaves `latest` naming the previous complete checkpoint.
+    """
+    root = out / "checkpoints"
+    name = f"step_{state['step']}"
+    tmp = root / f"{name}.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    probe.saved(state["step"])
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
+        shutil.rmtree(root / name, ignore_errors=True)
+        tmp.rename(root / name)
+        (root / "latest.tmp").write_text(name + "\n")
+        os.replace(root / "latest.tmp", root / "latest")
+    accelerator.wait_for_everyone()
+
+
+def find_checkpoint(cfg, world_size: int) -> ResumePoint:
+    """The checkpoint to resume from, checked against this run; a fresh start without --resume_from_checkpoint."""
+    if not cfg.resume_from_checkpoint:
+        return ResumePoint()
+    path = Path(cfg.resume_from_checkpoint)
+    if cfg.resume_from_checkpoint == "latest":
+        pointer = Path(cfg.output_dir) / "checkpoints" / "latest"
+        if not pointer.is_file():
+            raise RecipeError(f"--resume_from_checkpoint latest: no checkpoint in {pointer.parent}")
+        path = pointer.parent / pointer.read_text().strip()
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
+    except (OSError, ValueError) as err:
+        raise RecipeError(f"checkpoint {path} has no readable trainer_state.json: {err}") from None
+    now = {"world_size": world_size, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+           "per_device_train_batch_size": cfg.per_device_train_batch_size, "seed": cfg.seed}
+    changed = [f"{k} {state[k]} -> {now[k]}" for k in RESUME_KEYS if state[k] != now[k]]
+    if changed and not cfg.force_resume:
+        raise RecipeError(f"checkpoint {path} was written with other settings ({', '.join(changed)}): the resumed "
+                          "run would not continue the same sample order; pass --force_resume to resume anyway")
+    for rank in range(world_size):
+        if not (path / f"random_states_{rank}.pkl").is_file():
+            raise RecipeError(f"checkpoint {path} has no RNG state for rank {rank} (random_states_{rank}.pkl)")
+    return ResumePoint(step=state["step"], epoch=state["epoch"], micro_in_epoch=state["micro_in_epoch"], path=path)
+
+
+def load_checkpoint(accelerator, path: Path) -> None:
+    """`accelerator.load_state`, then check the RNG state really came back.
+
+    Accelerate 1.15.0 swallows any error while restoring RNG states (it logs "Could not load random states" at info
+    level) and the run would silently draw other dropout masks; here that fails the resume instead.
+    """
+    from accelerate.utils import load  # torch.load with weights_only=True and numpy's RNG types allow-listed
+
+    accelerator.load_state(str(path))
+    saved = load(path / f"random_states_{accelerator.process_index}.pkl")
+    if not torch.equal(saved["torch_manual_seed"], torch.get_rng_state()):
+        raise RecipeError(f"checkpoint {path}: the RNG state of rank {accelerator.process_index} was not restored")
+
+
+def truncate_records(out: Path, step: int) -> None:
+    """Drop metrics/eval lines written after the checkpoint by the interrupted run."""
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        path = out / name
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+            path.write_text("".join(line + "\n" for line in kept))

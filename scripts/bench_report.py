@@ -1,0 +1,223 @@
+"""make bench, the reporting half: throughput from a run's records, ratios, the results files, the README block.
+
+scripts/bench.py runs the launches and hands this module a results dict; `python scripts/bench.py --rerender
+results/<file>.json` recomputes a results file from its runs' records with this module alone.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import os
+import re
+import statistics
+from pathlib import Path
+
+from recipes.records import read_jsonl
+
+REPO = Path(__file__).resolve().parent.parent
+README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
+MIB = 1024**2
+
+
+def throughput(metrics: list, warmup_steps: int) -> dict:
+    """Over the steps after the warm-up: samples/s and tokens/s (totals over their time), the median time of one
+    step, and its 10th percentile, which the ratios use. On a shared machine other work slows whole stretches of a
+    run; the fastest decile is what a run costs when nothing else competes, and the one-process runs draw the same
+    batches (same sampler and seed), so their fastest deciles hold the same work."""
+    if len(metrics) <= warmup_steps:
+        raise ValueError(f"{len(metrics)} steps recorded, need more than the {warmup_steps} warm-up steps")
+    ends = [0.0] + [r["elapsed"] for r in metrics]
+    durations = [b - a for a, b in zip(ends[warmup_steps:], ends[warmup_steps + 1:])]
+    timed = metrics[warmup_steps:]
+    seconds = ends[-1] - ends[warmup_steps]
+    return {"samples_per_s": sum(r["samples"] for r in timed) / seconds,
+            "tokens_per_s": sum(r["tokens"] for r in timed) / seconds, "step_time_s": statistics.median(durations),
+            "fast_step_time_s": statistics.quantiles(durations, n=10, method="inclusive")[0]
+            if len(durations) > 1 else durations[0]}
+
+
+def ratios(runs: list) -> dict:
+    """Per model: the recipe against the baselines, on the fastest decile of step times after warm-up; `runs` are
+    the results' run dicts."""
+    out = {}
+    for model in dict.fromkeys(r["model"] for r in runs):
+        ok = {r["name"]: r for r in runs if r["model"] == model and r["status"] == "ok"}
+        single = ok.get("single")
+        entry = {}
+        if single and "loop" in ok:
+            entry["recipe_vs_hand_loop_time"] = single["fast_step_time_s"] / ok["loop"]["fast_step_time_s"]
+        if single and "trainer" in ok:
+            entry["trainer_vs_recipe_time"] = ok["trainer"]["fast_step_time_s"] / single["fast_step_time_s"]
+        if single and "pad128" in ok:
+            entry["pad128_vs_dynamic_time"] = ok["pad128"]["fast_step_time_s"] / single["fast_step_time_s"]
+            entry["accuracy_dynamic"] = single["accuracy"]
+            entry["accuracy_pad128"] = ok["pad128"]["accuracy"]
+        entry["memory_measured_vs_predicted"] = {r["name"]: r["memory_ratio"] for r in ok.values() if r["memory_ratio"]}
+        out[model] = entry
+    return out
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown_table(results: dict) -> str:
+    label = results["memory_label"]
+    lines = [f"| model | run | procs | precision | samples/s | tokens/s | s/step median | s/step p10 "
+             f"| model state MiB/rank | predicted | measured/predicted | {label} MiB | accuracy |",
+             "|---|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in results["runs"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['model']} | {r['name']} | | | {r['status']}: {r['reason']} | | | | | | | | |")
+            continue
+        peak = r["cuda_max_allocated"] if label == "CUDA max alloc" else r["peak_rss"]
+        lines.append(
+            f"| {r['model']} | {r['name']} | {r['world']} | {r['precision']} | {fmt(r['samples_per_s'], '.1f')} "
+            f"| {fmt(r['tokens_per_s'], '.0f')} | {fmt(r['step_time_s'], '.3f')} | {fmt(r['fast_step_time_s'], '.3f')} "
+            f"| {fmt(r['state_measured'] and r['state_measured'] / MIB, '.2f')} "
+            f"| {fmt(r['state_predicted'] and r['state_predicted'] / MIB, '.2f')} | {fmt(r['memory_ratio'], '.3f')} "
+            f"| {fmt(peak and peak / MIB, '.0f')} | {fmt(r['accuracy'], '.3f')} |")
+    return "\n".join(lines)
+
+
+def ratio_lines(results: dict) -> list:
+    lines = []
+    for model, entry in results["ratios"].items():
+        parts = []
+        if "recipe_vs_hand_loop_time" in entry:
+            parts.append(f"recipe / hand-written loop **{entry['recipe_vs_hand_loop_time']:.3f}x** (target <= 1.05)")
+        if "trainer_vs_recipe_time" in entry:
+            parts.append(f"Trainer / recipe **{entry['trainer_vs_recipe_time']:.3f}x**")
+        if "pad128_vs_dynamic_time" in entry:
+            parts.append(f"pad-to-128 / dynamic padding **{entry['pad128_vs_dynamic_time']:.3f}x** (accuracy "
+                         f"{fmt(entry['accuracy_pad128'], '.3f')} padded vs {fmt(entry['accuracy_dynamic'], '.3f')} "
+                         f"dynamic)")
+        if parts:
+            lines.append(f"- {model}, time per step (p10): " + "; ".join(parts))
+    return lines
+
+
+def render_markdown(results: dict, chart_name: str) -> str:
+    hw, v = results["hardware"], results["versions"]
+    gpus = ", ".join(hw["gpus"]) or "none"
+    when = (f"`{results.get('command', 'scripts/bench.py')}`, started {results['started']}, took "
+            f"{results['duration_s'] / 60:.1f} min.")
+    if "rerendered" in results:
+        when += f" Throughput and ratios recomputed from the same run records on {results['rerendered']}."
+    lines = [f"# Benchmark {results['date']}: {hw['device']} on {hw['host']}", "", when, "",
+             f"Hardware: {hw['cpu']}, {hw['cpu_cores']} cores, {hw.get('memory_gib', '?')} GiB RAM; GPUs: {gpus}.",
+             "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()) + ".", "", "## Work", ""]
+    for model, w in results["work"].items():
+        lines.append(f"- {model}: `{w['model']}`{' (random init)' if w['random_init'] else ''}, {w['precision']}, "
+                     f"{w['steps']} optimizer steps of {w['effective_batch']} samples ({w['train_samples']} samples, "
+                     f"one epoch, seed {w['seed']}), throughput after {w['warmup_steps']} warm-up steps, lr "
+                     f"{w['learning_rate']}, eval on {w['eval_samples']} samples.")
+    lines += ["", "## Results", "", markdown_table(results), "",
+              "s/step: median time of one optimizer step after the warm-up; p10: its 10th percentile, the steps "
+              "that no other work on the machine slowed; the ratios below compare p10s. samples/s and tokens/s: "
+              "totals over all steps after the warm-up (tokens: non-pad).", "",
+              "Model state: bytes of all live tensors on the largest rank after training and the final evaluation "
+              "(recipes/memstats.py), against scripts/memory_model.py on the same basis. "
+              f"{results['memory_label']}: the whole process (interpreter, libraries, activations), not model state.",
+              "", "## Ratios", "", *ratio_lines(results), "", f"![throughput and memory]({chart_name})", "",
+              "## Memory breakdown (MiB per rank, measured / predicted)", "",
+              "| model | run | parameters | optimizer state | gradients + other buffers |", "|---|---|--:|--:|--:|"]
+    for r in results["runs"]:
+        b = r["breakdown"]
+        if b:
+            cells = " | ".join(f"{b[k][0] / MIB:.2f} / {b[k][1] / MIB:.2f}"
+                               for k in ("parameters", "optimizer_state", "gradients_and_other"))
+            lines.append(f"| {r['model']} | {r['name']} | {cells} |")
+    lines += ["", "The resolved configuration of every run (run_config.json, and the DeepSpeed JSON it used) is in "
+              "the .json file beside this one."]
+    return "\n".join(lines) + "\n"
+
+
+def render_chart(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(results["work"])
+    fig, axes = plt.subplots(len(models), 2, figsize=(13, 3.8 * len(models)), squeeze=False)
+    for row, model in zip(axes, models):
+        runs = [r for r in results["runs"] if r["model"] == model and r["status"] == "ok"]
+        names = [r["name"] for r in runs]
+        x = range(len(runs))
+        bars = row[0].bar(x, [r["samples_per_s"] for r in runs],
+                          color=["tab:blue" if r["kind"] == "strategy" else "tab:gray" for r in runs])
+        row[0].bar_label(bars, fmt="%.0f", fontsize=8)
+        row[0].set_title(f"{model}: samples/s after warm-up (gray: baselines)")
+        row[0].set_ylabel("samples / s")
+        measured = [(r["state_measured"] or 0) / MIB for r in runs]
+        predicted = [(r["state_predicted"] or 0) / MIB for r in runs]
+        bars = row[1].bar([i - 0.2 for i in x], measured, width=0.4, label="measured", color="tab:green")
+        row[1].bar([i + 0.2 for i in x], predicted, width=0.4, label="predicted", color="tab:olive")
+        row[1].bar_label(bars, labels=[f"{r['memory_ratio']:.2f}x" if r["memory_ratio"] else "" for r in runs],
+                         fontsize=8)
+        row[1].set_yscale("log")
+        values = [v for v in measured + predicted if v > 0] or [1.0]
+        row[1].set_ylim(10 ** math.floor(math.log10(min(values))), 10 ** math.ceil(math.log10(max(values) * 3)))
+        row[1].set_title(f"{model}: model state per rank, MiB (label: measured / predicted)")
+        row[1].set_ylabel("MiB (log scale)")
+        row[1].legend(loc="upper left")
+        for ax in row:
+            ax.set_xticks(list(x))
+            ax.set_xticklabels(names, rotation=30, ha="right")
+            ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"make bench {results['date']}: {results['hardware']['device']} on {results['hardware']['host']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_results(results: dict, results_dir: Path) -> dict:
+    """results/<date>_<device>_<host>.{json,md,png}; returns their paths."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    hw = results["hardware"]
+    stem = f"{results['date']}_{slug(hw['device'])}_{slug(hw['host'])}"
+    paths = {ext: results_dir / f"{stem}.{ext}" for ext in ("json", "md", "png")}
+    paths["json"].write_text(json.dumps(results, indent=2) + "\n")
+    render_chart(results, paths["png"])
+    paths["md"].write_text(render_markdown(results, paths["png"].name))
+    return paths
+
+
+def update_readme(readme: Path, results: dict, paths: dict) -> bool:
+    """Replace the block between the bench markers with the latest table; False (and a note) when there is none."""
+    if not readme.exists():
+        print(f"note: {readme.name} does not exist yet; the bench block is not written")
+        return False
+    text = readme.read_text()
+    if README_START not in text or README_END not in text:
+        print(f"note: {readme.name} has no {README_START} ... {README_END} markers; the bench block is not written")
+        return False
+    def link(path: Path) -> str:
+        return os.path.relpath(path, readme.parent)
+
+    block = "\n".join([
+        README_START,
+        f"Latest `make bench` ({results['date']}, {results['hardware']['device']}, "
+        f"[full results]({link(paths['md'])})):", "", markdown_table(results), "", *ratio_lines(results), "",
+        f"![throughput and memory]({link(paths['png'])})", README_END])
+    head, rest = text.split(README_START, 1)
+    readme.write_text(head + block + rest.split(README_END, 1)[1])
+    return True
+
+
+def rerender(results_json: Path) -> dict:
+    """A results file recomputed from the records of its runs with this version of the analysis; launches nothing."""
+    results = json.loads(results_json.read_text())
+    for r in results["runs"]:
+        if r["status"] == "ok":
+            metrics = read_jsonl(REPO / r["run_dir"] / "metrics.jsonl")
+            r.update(throughput(metrics, results["work"][r["model"]]["warmup_steps"]))
+    results["ratios"] = ratios(results["runs"])
+    results["rerendered"] = dt.datetime.now().isoformat(timespec="seconds")
+    return results

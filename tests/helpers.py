@@ -1,0 +1,66 @@
+"""Helpers the tests share: run the real recipe in subprocesses, read its records, switch configs to fp32."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from recipes.records import read_jsonl
+from scripts.bench import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+ACCELERATE = str(Path(sys.executable).parent / "accelerate")
+TINY = REPO / "artifacts" / "tiny-roberta"
+# Small, fast defaults for recipe runs in tests: a few hundred samples, fp32 on CPU, exact eval count 101.
+TINY_FLAGS = ["--model_name_or_path", str(TINY), "--max_train_samples", "256", "--max_eval_samples", "101",
+              "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "16",
+              "--learning_rate", "1e-3", "--ddp_timeout", "120"]
+
+__all__ = ["ACCELERATE", "PYTHON", "REPO", "TINY", "TINY_FLAGS", "eval_loader", "fp32_launch_args", "free_port", "losses",
+           "rank_records", "read_jsonl", "run_recipe"]
+
+
+def run_recipe(output_dir: Path, *flags: str, config: str | None = "ddp.yaml", launch_args=(), timeout=600,
+               check=True, env=None) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file accelerate_configs/<config> recipes/cls.py ...` (or plain python if None)."""
+    if config is None:
+        cmd = [PYTHON, "recipes/cls.py"]
+    else:
+        cmd = [ACCELERATE, "launch", "--config_file", f"accelerate_configs/{config}",
+               "--main_process_port", str(free_port()), *launch_args, "recipes/cls.py"]
+    cmd += [*TINY_FLAGS, "--output_dir", str(output_dir), *flags]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"recipe failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def losses(output_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_jsonl(output_dir / "metrics.jsonl")]
+
+
+def rank_records(output_dir: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((output_dir / "ranks").glob("rank*.json"))]
+
+
+def fp32_launch_args(config: str, tmp_path: Path) -> list[str]:
+    """The shipped config, switched to fp32: a JSON copy with bf16 off for DeepSpeed, a flag for the others."""
+    if config.startswith("zero"):
+        ds = json.loads((REPO / "ds_configs" / config.replace(".yaml", ".json")).read_text())
+        ds["bf16"]["enabled"] = False
+        path = tmp_path / f"fp32_{config}.json"
+        path.write_text(json.dumps(ds))
+        return ["--deepspeed_config_file", str(path)]
+    return ["--mixed_precision", "no"]
+
+
+def eval_loader(cfg, tokenizer):
+    """The recipe's evaluation loader for `cfg`, built in this process as the recipe builds it, and the label names."""
+    from recipes import data
+
+    train_ds, eval_ds, names = data.prepare_datasets(cfg, tokenizer)
+    return data.build_loaders(cfg, train_ds, eval_ds, tokenizer, world_size=1).eval, names

@@ -1,0 +1,92 @@
+"""The package layout holds: imports run one way, no path edits, test machinery only in recipes/probe.py and inert
+unless asked for."""
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from helpers import REPO
+from recipes import data
+from recipes.probe import Probe
+
+PY_FILES = sorted(p for folder in ("recipes", "scripts", "tests") for p in (REPO / folder).rglob("*.py"))
+
+
+def imported_modules(path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_no_sys_path_edits():
+    offenders = [str(p.relative_to(REPO)) for p in PY_FILES if "sys.path" in p.read_text() and p.name != "test_layout.py"]
+    assert offenders == []
+
+
+def test_recipes_import_nothing_from_scripts_or_tests():
+    own = {p.stem for p in (REPO / "tests").glob("*.py")} | {"scripts"}
+    for path in (REPO / "recipes").rglob("*.py"):
+        bad = {m for m in imported_modules(path) if m.split(".")[0] in own}
+        assert not bad, f"{path.relative_to(REPO)} imports {bad}"
+
+
+def test_fault_variable_is_read_only_by_the_probe():
+    readers = sorted(str(p.relative_to(REPO)) for p in (REPO / "recipes").rglob("*.py") if "CLS_FAULT" in p.read_text())
+    assert readers == ["recipes/probe.py"]
+
+
+def test_probe_is_inert_by_default(tiny_model, monkeypatch):
+    """Without --record_ranks and CLS_FAULT: the data carry no sample ids, and no probe call changes anything."""
+    from transformers import AutoTokenizer
+
+    from recipes.cls import parse_config
+
+    monkeypatch.delenv("CLS_FAULT", raising=False)
+    cfg = parse_config(["--model_name_or_path", str(tiny_model), "--max_train_samples", "40", "--max_eval_samples",
+                        "8", "--per_device_train_batch_size", "8"])
+    probe = Probe.for_run(cfg, rank=0)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    train_ds, eval_ds, _ = data.prepare_datasets(cfg, tokenizer, with_ids=probe.wants_sample_ids)
+    assert data.SAMPLE_IDS not in train_ds.column_names and data.SAMPLE_IDS not in eval_ds.column_names
+    loaders = data.build_loaders(cfg, train_ds, eval_ds, tokenizer, world_size=1)
+    batches = list(loaders.train)
+    assert len(batches) == 5 and all(set(b.keys()) == {"input_ids", "attention_mask", "labels"} for b in batches)
+    before = {k: v.clone() for k, v in batches[0].items()}
+    probe.batch(batches[0])
+    probe.step(1)
+    probe.saved(1)
+    assert batches[0].keys() == before.keys() and probe.sample_ids == []
+
+
+def test_probe_records_ids_as_a_list_beside_the_batch(tiny_model):
+    from transformers import AutoTokenizer
+
+    from recipes.cls import parse_config
+
+    cfg = parse_config(["--model_name_or_path", str(tiny_model), "--max_train_samples", "40", "--max_eval_samples",
+                        "8", "--per_device_train_batch_size", "8", "--record_ranks"])
+    probe = Probe.for_run(cfg, rank=0)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    train_ds, eval_ds, _ = data.prepare_datasets(cfg, tokenizer, with_ids=probe.wants_sample_ids)
+    loaders = data.build_loaders(cfg, train_ds, eval_ds, tokenizer, world_size=1)
+    for batch in loaders.train:
+        assert isinstance(batch[data.SAMPLE_IDS], list)
+        probe.batch(batch)
+        assert data.SAMPLE_IDS not in batch
+    assert sorted(i for ids in probe.sample_ids for i in ids) == list(range(40))
+
+
+@pytest.mark.parametrize("fault,where,step,dies", [("step:3:1", "step", 3, False), ("step:3:0", "step", 3, True),
+                                                   ("save:3:0", "step", 3, False), ("save:3:0", "save", 3, True)])
+def test_probe_fault_matches_where_step_and_rank(monkeypatch, fault, where, step, dies):
+    killed = []
+    monkeypatch.setattr("recipes.probe.os.kill", lambda pid, sig: killed.append(sig))
+    probe = Probe(record=False, rank=0, fault=fault)
+    (probe.step if where == "step" else probe.saved)(step)
+    assert bool(killed) == dies
