@@ -14,6 +14,7 @@ venv: .venv/.installed
 	python3 -m venv .venv
 	.venv/bin/pip install -q --upgrade pip
 	.venv/bin/pip install -q -e ".[dev]"
+	.venv/bin/python scripts/build_deepspeed_ops.py  # DeepSpeed's JIT ops, built now rather than inside a launch
 	touch $@
 
 offline-model: $(OFFLINE)/config.json

@@ -31,6 +31,44 @@ class ResumePoint:
     path: Optional[Path] = None  # the checkpoint folder; None for a fresh start
 
 
+def check_shared_output_dir(accelerator, out: Path) -> None:
+    """Fail at start-up, on every rank, when --output_dir is not one folder that all machines see.
+
+    Checkpoints need it: every rank writes its RNG state and shards into step_N.tmp, which only rank 0 renames,
+    and every rank reads them back on resume. On node-local disks another machine's rank would raise alone at its
+    first checkpoint while the others wait in a collective until --ddp_timeout. Rank 0 writes a random token; after
+    a barrier every rank reads it back, and the verdicts are gathered so that all ranks stop together.
+    """
+    if accelerator.num_processes == 1:
+        return
+    import secrets
+
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    created = not out.exists()
+    token = [secrets.token_hex(8) if accelerator.is_main_process else None]
+    broadcast_object_list(token)
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / ".shared_check").write_text(token[0])
+    accelerator.wait_for_everyone()
+    try:
+        seen = (out / ".shared_check").read_text() == token[0]
+    except OSError:
+        seen = False
+    verdicts = gather_object([(accelerator.process_index, seen)])
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (out / ".shared_check").unlink(missing_ok=True)
+        if created and not any(out.iterdir()):  # leave no trace: a run that stops later writes nothing
+            out.rmdir()
+    blind = [rank for rank, ok in verdicts if not ok]
+    if blind:
+        raise RecipeError(f"--output_dir {out} is not shared: rank(s) {', '.join(map(str, blind))} cannot see what "
+                          "rank 0 writes there; checkpoints need one folder that every machine sees (a shared "
+                          "filesystem)")
+
+
 def checkpoint_due(every: str | None, step: int, end_of_epoch: bool) -> bool:
     if not every:
         return False
@@ -100,9 +138,17 @@ def load_checkpoint(accelerator, path: Path) -> None:
     from accelerate.utils import load  # torch.load with weights_only=True and numpy's RNG types allow-listed
 
     accelerator.load_state(str(path))
-    saved = load(path / f"random_states_{accelerator.process_index}.pkl")
-    if not torch.equal(saved["torch_manual_seed"], torch.get_rng_state()):
-        raise RecipeError(f"checkpoint {path}: the RNG state of rank {accelerator.process_index} was not restored")
+    rank = accelerator.process_index
+    saved = load(path / f"random_states_{rank}.pkl")
+    if "torch_manual_seed" not in saved or not torch.equal(saved["torch_manual_seed"], torch.get_rng_state()):
+        raise RecipeError(f"checkpoint {path}: the CPU RNG state of rank {rank} was not restored")
+    # GPU dropout draws from the CUDA generator of the current device, which Accelerate restores in the same
+    # try/except (saved as "torch_cuda_manual_seed", one state per visible device, in 1.15.0).
+    if torch.cuda.is_available():
+        device = torch.cuda.current_device()
+        states = saved.get("torch_cuda_manual_seed")
+        if states is None or len(states) <= device or not torch.equal(states[device], torch.cuda.get_rng_state(device)):
+            raise RecipeError(f"checkpoint {path}: the CUDA RNG state of rank {rank} (cuda:{device}) was not restored")
 
 
 def truncate_records(out: Path, step: int) -> None:

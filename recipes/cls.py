@@ -57,12 +57,15 @@ class Config:
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm"})
     pad_to_max_length: bool = field(default=False, metadata={"help": "pad every batch to max_length (not dynamic)"})
     eval_steps: Optional[int] = field(default=None, metadata={"help": "also evaluate every N optimizer steps"})
-    data_parallel: bool = field(default=False, metadata={"help": "wrap in nn.DataParallel over visible GPUs"})
+    data_parallel: bool = field(default=False, metadata={
+        "help": "wrap in nn.DataParallel over visible GPUs (precision: ACCELERATE_MIXED_PRECISION=bf16|fp16|no)"})
     checkpointing_steps: Optional[str] = field(default=None, metadata={"help": "save a checkpoint every N steps or 'epoch'"})
     resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "checkpoint folder or 'latest'"})
     force_resume: bool = field(default=False, metadata={"help": "resume even if world size/accumulation changed"})
     record_ranks: bool = field(default=False, metadata={"help": "write ranks/rank<i>.json: sample ids, param sums"})
     ddp_timeout: int = field(default=1800, metadata={"help": "seconds a collective may wait before failing"})
+    logging_steps: int = field(default=10, metadata={"help": "read losses from the device every N steps"})
+    tf32: bool = field(default=True, metadata={"help": "fp32 runs on GPUs use TF32 tensor cores for matmuls"})
 
 
 def parse_config(argv=None) -> Config:
@@ -132,7 +135,7 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
     model.train()  # from_pretrained returns a model in eval mode
     step, last_eval, t0 = start.step, None, time.perf_counter()
     progress = tqdm(total=plan.total_steps, initial=step, disable=not accelerator.is_local_main_process, desc="train")
-    window_sums = torch.zeros(2, device=accelerator.device)  # loss sum, non-pad tokens: one all-reduce per step
+    log = records.StepLog(accelerator, out / "metrics.jsonl", cfg.logging_steps, progress)
     for epoch in range(start.epoch, plan.epochs):
         loaders.sampler.set_epoch(epoch)
         first = start.micro_in_epoch if epoch == start.epoch else 0  # what the checkpoint consumed, its epoch only
@@ -145,9 +148,9 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
                 logits = model(**batch).logits
                 loss_sum = F.cross_entropy(logits.float(), labels, reduction="sum")
                 accelerator.backward(loss_sum * loss_scale(accum, world, n_window))
-                window_sums += torch.stack([loss_sum.detach(), batch["attention_mask"].sum()])
+                log.add(loss_sum, batch["attention_mask"])
                 if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    grad_norm = strategy.clip_gradients(accelerator, model, cfg.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad()
             if not accelerator.sync_gradients:
@@ -155,24 +158,19 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
             lr = scheduler.get_last_lr()[0]  # the rate this step used
             scheduler.step()
             step += 1
-            loss_total, tokens = accelerator.reduce(window_sums, reduction="sum").tolist()
-            window_sums.zero_()
-            loss = loss_total / n_window
-            record = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "samples": n_window,
-                      "tokens": int(tokens), "elapsed": time.perf_counter() - t0}
-            accelerator.log({"train/loss": loss, "train/lr": lr}, step=step)
-            if accelerator.is_main_process:
-                records.append_jsonl(out / "metrics.jsonl", record)
+            log.end_step({"step": step, "epoch": epoch, "lr": lr, "samples": n_window,
+                          "elapsed": time.perf_counter() - t0}, grad_norm)
             progress.update(1)
-            progress.set_postfix(loss=f"{loss:.4f}", epoch=epoch)
             end_of_epoch = micro + 1 == len(loaders.train)
             if (cfg.eval_steps and step % cfg.eval_steps == 0) or end_of_epoch or step == plan.total_steps:
+                log.flush()
                 last_eval = {"step": step, "epoch": epoch, **evaluate(model, loaders.eval, accelerator, metrics)}
                 accelerator.log({f"eval/{k}": last_eval[k] for k in ("accuracy", "f1")}, step=step)
                 if accelerator.is_main_process:
                     records.append_jsonl(out / "eval.jsonl", last_eval)
             probe.step(step)
             if checkpoint.checkpoint_due(cfg.checkpointing_steps, step, end_of_epoch):
+                log.flush()  # metrics.jsonl holds every step up to the checkpoint
                 position = {"epoch": epoch + 1, "micro_in_epoch": 0} if end_of_epoch else \
                     {"epoch": epoch, "micro_in_epoch": micro + 1}
                 checkpoint.save_checkpoint(accelerator, out, {
@@ -180,6 +178,7 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
                     "per_device_train_batch_size": cfg.per_device_train_batch_size, "seed": cfg.seed}, probe)
             if step == plan.total_steps:
                 break
+    log.flush()
     progress.close()
     if last_eval is None:  # resumed from a checkpoint of the last step: nothing left to train
         last_eval = {"step": step, "epoch": start.epoch, **evaluate(model, loaders.eval, accelerator, metrics)}
@@ -204,18 +203,19 @@ def save_final(accelerator: Accelerator, model, tokenizer, out: Path) -> None:
 def main(cfg: Config) -> dict:
     accelerator = strategy.make_accelerator(cfg)
     out = Path(cfg.output_dir)
+    checkpoint.check_shared_output_dir(accelerator, out)
     start = checkpoint.find_checkpoint(cfg, accelerator.num_processes)
     probe = Probe.for_run(cfg, accelerator.process_index)
     set_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path)
     with accelerator.main_process_first():  # rank 0 tokenizes and caches; the others read its cache
         train_ds, eval_ds, names = data.prepare_datasets(cfg, tokenizer, with_ids=probe.wants_sample_ids)
-    loaders = data.build_loaders(cfg, train_ds, eval_ds, tokenizer, accelerator.num_processes)
+    loaders = data.build_loaders(cfg, train_ds, eval_ds, tokenizer, accelerator.num_processes, accelerator.device.type)
     total_steps = loaders.plan.total_steps
     model = build_model(cfg, names)
     launch_checks.check_launch(cfg, model)
     model = strategy.maybe_data_parallel(model, cfg, accelerator)
-    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.learning_rate)
+    optimizer = strategy.make_optimizer(accelerator, param_groups(model, cfg.weight_decay), cfg.learning_rate)
     scheduler = get_linear_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total_steps), total_steps)
 
     strategy.fill_deepspeed_auto(accelerator, cfg)

@@ -132,6 +132,13 @@ def deepspeed_problems(path: str, mixed_precision, mp_from_yaml: bool, recipe: d
             problems.append(f"{key}={value} in {path} but --{flag} {recipe[flag]}; set it to \"auto\" or pass "
                             f"--{flag} {value}")
     micro, accum = recipe["per_device_train_batch_size"], recipe["gradient_accumulation_steps"]
+    half = next((k for k in ("bf16", "fp16") if isinstance(ds.get(k), dict) and ds[k].get("enabled") is True), None)
+    accum_dtype = (ds.get("data_types") or {}).get("grad_accum_dtype")
+    if half == "bf16" and accum > 1 and accum_dtype != "fp32":
+        # DeepSpeed 0.19.8 (engine.get_data_types) accumulates in the model dtype unless told otherwise: the sum of
+        # `accum` bf16 gradients keeps 8 bits of mantissa.
+        problems.append(f"{path} accumulates {accum} micro-batches of bf16 gradients in bf16; add \"data_types\": "
+                        "{\"grad_accum_dtype\": \"fp32\"}")
     total = ds.get("train_batch_size", "auto")
     if total != "auto" and world is not None and total != micro * accum * world:
         problems.append(f"train_batch_size={total} in {path} but micro-batch {micro} x accumulation {accum} x "
@@ -186,6 +193,8 @@ def check_yaml(yaml_path: str, recipe: dict, model_path: str | None = None) -> l
     elif world is not None and isinstance(machines, int) and machines >= 1 and world % machines:
         problems.append(f"num_processes={world} is not divisible by num_machines={machines}")
 
+    if world is not None and isinstance(machines, int) and machines >= 1 and not data.get("use_cpu"):
+        problems += gpu_count_problems(world // machines, visible_gpus())
     if kind == "DEEPSPEED" and ds_section.get("deepspeed_config_file"):
         path = str(ds_section["deepspeed_config_file"])
         problems += [f"deepspeed_config.{k} next to deepspeed_config_file: accelerate 1.15.0 refuses it; set it in "
@@ -201,6 +210,31 @@ def check_yaml(yaml_path: str, recipe: dict, model_path: str | None = None) -> l
             except (OSError, ValueError) as err:
                 problems.append(f"cannot build the model skeleton from {model_path}: {' '.join(str(err).split())}")
     return problems
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpu_count_problems(per_machine: int, gpus: int) -> list[str]:
+    """More processes than GPUs on a machine: accelerate 1.15.0 puts rank r on cuda:{local_rank % device_count}, so
+    two ranks share a GPU and NCCL refuses the group (after the data and the model are loaded). No GPU at all is the
+    CPU rehearsal, which is fine."""
+    if gpus == 0 or per_machine <= gpus:
+        return []
+    return [f"{per_machine} processes per machine but {gpus} GPU(s) visible: two ranks would share a GPU, which NCCL "
+            f"refuses; launch with --num_processes {gpus} (x machines) or expose more GPUs"]
+
+
+def check_devices(env: dict) -> None:
+    """Processes per machine against the visible GPUs, inside a launched process, before the process group forms."""
+    per_machine = env.get("LOCAL_WORLD_SIZE")
+    if per_machine and per_machine.isdigit():
+        problems = gpu_count_problems(int(per_machine), visible_gpus())
+        if problems:
+            raise RecipeError("launch config: " + problems[0])
 
 
 def check_launch_env(env: dict, recipe: dict, model=None) -> list[str]:

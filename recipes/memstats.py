@@ -111,4 +111,5 @@ def rank_memory(model, optimizer, device: torch.device) -> dict:
     if device.type == "cuda":
         record["cuda_allocated_bytes"] = torch.cuda.memory_allocated(device)
         record["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        record["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
     return record

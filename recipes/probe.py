@@ -47,6 +47,8 @@ class Probe:
         """
         if not self.record:
             return
+        if torch.cuda.is_available():  # the peaks the record reports are those of training, not of loading
+            torch.cuda.reset_peak_memory_stats()
         linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
 
         def hook(module, inputs, output):

@@ -62,3 +62,42 @@ def describe_run(cfg, accelerator, total_steps: int, n_train: int, n_eval: int) 
 def tracker_config(config: dict) -> dict:
     """TensorBoard hparams take only scalars and strings."""
     return {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))}
+
+
+class StepLog:
+    """The per-step training records (metrics.jsonl, TensorBoard, the progress bar), read from the device in blocks.
+
+    A micro-batch adds its loss sum and token count to a tensor on the device; the step's end reduces it over the
+    ranks (one collective, which on GPUs the host does not wait for) and keeps the result on the device. Only
+    `flush`, every `every` steps and before an evaluation, a checkpoint or the end, copies the kept steps to the host
+    in one `.tolist()`: the loop itself never makes the CPU wait for the GPU.
+    """
+
+    def __init__(self, accelerator, path: Path, every: int, progress):
+        self.accelerator, self.path, self.every, self.progress = accelerator, path, max(1, every), progress
+        self.window = torch.zeros(2, device=accelerator.device)  # this rank's loss sum and non-pad tokens
+        self.pending: list[tuple[dict, torch.Tensor]] = []
+
+    def add(self, loss_sum: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        self.window += torch.stack([loss_sum.detach().float(), attention_mask.sum().float()])
+
+    def end_step(self, info: dict, grad_norm: torch.Tensor) -> None:
+        """`info` holds step, epoch, lr, samples (of the step on all ranks) and elapsed seconds."""
+        totals = self.accelerator.reduce(self.window.clone(), reduction="sum")
+        self.window.zero_()
+        self.pending.append((info, torch.cat([totals, grad_norm.reshape(1).to(totals)])))
+        if len(self.pending) >= self.every:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        values = torch.stack([v for _, v in self.pending]).tolist()
+        for (info, (loss_total, tokens, grad_norm)) in zip([i for i, _ in self.pending], values):
+            record = {**info, "loss": loss_total / info["samples"], "tokens": int(tokens), "grad_norm": grad_norm}
+            self.accelerator.log({"train/loss": record["loss"], "train/lr": info["lr"],
+                                  "train/grad_norm": grad_norm}, step=info["step"])
+            if self.accelerator.is_main_process:
+                append_jsonl(self.path, record)
+        self.progress.set_postfix(loss=f"{record['loss']:.4f}", epoch=record["epoch"])
+        self.pending.clear()

@@ -56,9 +56,10 @@ class ModelSpec:
 @dataclass
 class Profile:
     models: list
-    steps: int = 60  # optimizer steps of every run: one epoch over steps x batch_size samples
+    steps: int = 60  # optimizer steps of every run: one epoch over steps x effective batch samples
     warmup_steps: int = 10  # first steps left out of throughput (allocation, first gathers, caches)
-    batch_size: int = 32  # effective batch per optimizer step, shared by the processes of a run
+    per_device_batch: int = 16  # micro-batch per GPU (or CPU process); the effective batch scales with the world
+    max_world: int = 8  # GPUs a multi-process run uses at most
     eval_samples: int = 256
     run_timeout: int = 900  # seconds before a run is killed and reported as timed out
 
@@ -99,6 +100,11 @@ class Run:
     run_dir: str = ""
     run_config: dict = field(default_factory=dict)
     ds_config: Optional[dict] = None
+    effective_batch: int = 0
+    cuda_max_reserved: Optional[int] = None
+    model_flops_per_s: Optional[float] = None  # 6 x parameters x real tokens/s, plus attention
+    mfu: Optional[float] = None  # model FLOP/s over the device's peak (GPU table, or the CPU's measured matmul peak)
+    env: dict = field(default_factory=dict)  # variables this run adds to the shared environment
 
 
 def visible_gpus() -> int:
@@ -134,21 +140,23 @@ def plan_command(run: Run, spec: ModelSpec, profile: Profile, run_dir: Path, run
                  n_gpus: int) -> list:
     """The command line of one run; sets run.world, run.precision and run.ds_config."""
     run.precision = spec.precision
-    run.world = world_of(run.name, n_gpus)
-    if profile.batch_size % run.world:
-        raise ValueError(f"batch size {profile.batch_size} does not split over {run.world} processes")
-    train_samples = profile.steps * profile.batch_size
+    run.world = world_of(run.name, n_gpus, profile.max_world)
+    batch = effective_batch(run.name, n_gpus, profile)
+    train_samples = profile.steps * batch
     shared = ["--model_name_or_path", spec.path, "--output_dir", str(run_dir), "--seed", "42",
               "--max_train_samples", str(train_samples), "--max_eval_samples", str(profile.eval_samples),
               "--learning_rate", str(spec.learning_rate)] + (["--random_init"] if spec.random_init else [])
     if run.name in ("loop", "trainer"):
-        return [PYTHON, "scripts/bench_baselines.py", run.name, *shared, "--batch_size", str(profile.batch_size),
+        return [PYTHON, "scripts/bench_baselines.py", run.name, *shared, "--batch_size", str(batch),
                 "--precision", spec.precision]
-    recipe_args = [recipe, *shared, "--max_train_steps", str(profile.steps), "--record_ranks",
-                   "--per_device_train_batch_size", str(profile.batch_size // run.world)]
+    # --logging_steps 1: each step's time is taken after its loss is read, so on GPUs it is the step's real time
+    # (as in the hand-written loop and Trainer with logging every step); by default the recipe reads every 10 steps.
+    recipe_args = [recipe, *shared, "--max_train_steps", str(profile.steps), "--record_ranks", "--logging_steps", "1",
+                   "--per_device_train_batch_size", str(batch // run.world)]
     if run.name == "pad128":
         recipe_args += ["--pad_to_max_length", "--max_length", "128"]
-    if run.name == "dataparallel":
+    if run.name == "dataparallel":  # a plain python run: precision comes from the variable accelerate reads
+        run.env = {"ACCELERATE_MIXED_PRECISION": "bf16" if spec.precision == "bf16" else "no"}
         return [PYTHON, *recipe_args, "--data_parallel"]
     strategy = "single" if run.name == "pad128" else run.name
     launch = [ACCELERATE, "launch", "--config_file", f"accelerate_configs/{strategy}.yaml",
@@ -161,16 +169,36 @@ def plan_command(run: Run, spec: ModelSpec, profile: Profile, run_dir: Path, run
     return [*launch, *recipe_args]
 
 
-def world_of(name: str, n_gpus: int) -> int:
-    """Processes of a run: multi-process strategies on every GPU, or 2 CPU processes; the rest one process."""
+def world_of(name: str, n_gpus: int, max_world: int = 8) -> int:
+    """Processes of a run: multi-process strategies on every GPU (at most max_world), or 2 CPU processes; the rest
+    one process."""
     multi = name in STRATEGIES and name not in ("single", "dataparallel")
-    return (n_gpus or 2) if multi else 1
+    return min(n_gpus, max_world) if multi and n_gpus else (2 if multi else 1)
+
+
+def effective_batch(name: str, n_gpus: int, profile: Profile) -> int:
+    """Samples per optimizer step: the fixed per-device batch times the devices the run computes on. nn.DataParallel
+    splits one process's batch over the GPUs, so it gets the batch of all of them."""
+    devices = min(n_gpus, profile.max_world) if name == "dataparallel" else world_of(name, n_gpus, profile.max_world)
+    return profile.per_device_batch * max(1, devices)
 
 
 def skip_reason(run: Run, n_gpus: int) -> str:
     if run.name == "dataparallel" and n_gpus < 2:
         return f"needs more than one visible GPU ({n_gpus} visible)"
     return ""
+
+
+def plan(profile: Profile, n_gpus: int, names=(*STRATEGIES, *BASELINES)) -> list[dict]:
+    """What the bench will run on a machine with `n_gpus` GPUs: processes, batches and skip reasons, per run."""
+    rows = []
+    for name in names:
+        run = Run(model="-", name=name, kind="baseline" if name in BASELINES else "strategy")
+        world = world_of(name, n_gpus, profile.max_world)
+        batch = effective_batch(name, n_gpus, profile)
+        rows.append({"name": name, "world": world, "effective_batch": batch, "per_process_batch": batch // world,
+                     "skipped": skip_reason(run, n_gpus)})
+    return rows
 
 
 def execute(run: Run, command: list, run_dir: Path, profile: Profile, env: dict) -> None:
@@ -216,6 +244,7 @@ def collect(run: Run, run_dir: Path, profile: Profile, shape: memory_model.Model
     run.state_measured = largest["live_tensor_bytes"]
     run.peak_rss = max(m["peak_rss_bytes"] for m in ranks)
     run.cuda_max_allocated = max((m.get("cuda_max_allocated_bytes", 0) for m in ranks), default=0) or None
+    run.cuda_max_reserved = max((m.get("cuda_max_reserved_bytes", 0) for m in ranks), default=0) or None
     parts = memory_model.predict(strategy_of(run), shape, run.world, run.precision, ds_config=run.ds_config)
     predicted = memory_model.totals(parts)
     run.state_predicted = predicted["after_eval"]
@@ -227,6 +256,54 @@ def collect(run: Run, run_dir: Path, profile: Profile, shape: memory_model.Model
         "gradients_and_other": [largest["gradients_bytes"] + largest["other_bytes"],
                                 predicted["gradients_after_eval"] + predicted["buffers_after_eval"]],
     }
+
+
+# Dense peak FLOP/s per GPU from the vendors' data sheets (bf16 tensor core without sparsity; fp32 is TF32 tensor
+# core, which the recipe's fp32 runs use on GPUs, recipes/strategy.py set_matmul_precision).
+GPU_PEAK_FLOPS = {  # name fragment: (bf16, fp32)
+    "H200": (989e12, 494e12), "H100": (989e12, 494e12), "A100": (312e12, 156e12), "A10G": (70e12, 35e12),
+    "L40S": (362e12, 183e12), "L4": (121e12, 60e12), "A6000": (155e12, 77e12), "4090": (165e12, 83e12),
+    "V100": (125e12, 15.7e12), "T4": (65e12, 8.1e12),  # fp16 tensor cores; these cards have no bf16
+}
+
+
+def model_flops(shape: memory_model.ModelShape, tokens_per_s: float, seq_len: int = 128) -> float:
+    """Training FLOP/s the model needs for `tokens_per_s` real tokens: 6 per parameter per token (forward 2,
+    backward 4) plus attention's scores and weighted sum, 12 x layers x hidden x sequence per token."""
+    attention = 12 * shape.num_layers * shape.hidden_size * seq_len
+    return (6 * shape.num_params + attention) * tokens_per_s
+
+
+def device_peak_flops(precision: str, n_gpus: int, threads: int) -> float:
+    """Peak FLOP/s of one device: the data-sheet value of the GPU, or on CPU a measured matmul rate."""
+    import torch
+
+    if n_gpus:
+        name = torch.cuda.get_device_name(0)
+        for fragment, (bf16, fp32) in GPU_PEAK_FLOPS.items():
+            if fragment in name:
+                return bf16 if precision == "bf16" else fp32
+        return float("nan")
+    return cpu_matmul_flops(torch.bfloat16 if precision == "bf16" else torch.float32, threads)
+
+
+def cpu_matmul_flops(dtype, threads: int, n: int = 1024, repeats: int = 10) -> float:
+    """The best of `repeats` n x n matmuls on `threads` threads: what this CPU reaches on the model's main op."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a @ b
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(saved)
+    return 2 * n**3 / best
 
 
 def run_env(widest: int) -> dict:
@@ -286,14 +363,15 @@ def run_bench(profile: Profile, strategies=STRATEGIES, baselines=BASELINES, runs
     mem_label = "CUDA max alloc" if n_gpus else "peak RSS"
     started = dt.datetime.now()
     log(f"bench: {len(profile.models)} model(s) x {len(strategies) + len(baselines)} runs, {profile.steps} steps "
-        f"({profile.warmup_steps} warm-up), batch {profile.batch_size}; state MiB per rank (measured, predicted); "
+        f"({profile.warmup_steps} warm-up), {profile.per_device_batch} per device; state MiB per rank (measured, predicted); "
         f"{mem_label} MiB of the largest process")
     log("      " + header(mem_label))
     runs = []
     names = (*strategies, *baselines)
-    widest = max(world_of(name, n_gpus) for name in names)
+    widest = max(world_of(name, n_gpus, profile.max_world) for name in names)
     # The one-process runs the ratios compare go first, back to back, so a change of load hits them alike.
-    order = sorted(names, key=lambda name: world_of(name, n_gpus) > 1 or name == "dataparallel")
+    order = sorted(names, key=lambda name: world_of(name, n_gpus, profile.max_world) > 1 or name == "dataparallel")
+    peaks = {}
     for spec in profile.models:
         shape = memory_model.shape_from_model(str(REPO / spec.path))
         for name in order:
@@ -307,24 +385,33 @@ def run_bench(profile: Profile, strategies=STRATEGIES, baselines=BASELINES, runs
                 shutil.rmtree(run_dir, ignore_errors=True)  # no records of an earlier run may be read as this one's
                 run_dir.mkdir(parents=True)
                 command = plan_command(run, spec, profile, run_dir, runs_dir, recipe, n_gpus)
-                env = run_env(widest)
+                run.effective_batch = effective_batch(name, n_gpus, profile)
+                env = {**run_env(widest), **run.env}
                 run.threads = int(env["OMP_NUM_THREADS"])
                 if name in ("loop", "trainer") and n_gpus > 1:
                     env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
                 execute(run, command, run_dir, profile, env)
                 if run.status == "ok":
                     collect(run, run_dir, profile, shape)
+                if run.status == "ok" and run.tokens_per_s:
+                    key = (run.precision, run.threads)
+                    if key not in peaks:
+                        peaks[key] = device_peak_flops(run.precision, n_gpus, run.threads)
+                    run.model_flops_per_s = model_flops(shape, run.tokens_per_s)
+                    run.mfu = run.model_flops_per_s / (peaks[key] * (run.world if n_gpus else 1))
             runs.append(run)
             log(f"{len(runs):>2}/{len(names) * len(profile.models):<3}" + format_row(run, mem_label))
     runs.sort(key=lambda r: ([spec.name for spec in profile.models].index(r.model), names.index(r.name)))
     work = {spec.name: {"model": spec.path, "random_init": spec.random_init, "precision": spec.precision,
                         "learning_rate": spec.learning_rate, "steps": profile.steps,
-                        "warmup_steps": profile.warmup_steps, "effective_batch": profile.batch_size,
-                        "train_samples": profile.steps * profile.batch_size, "eval_samples": profile.eval_samples,
+                        "warmup_steps": profile.warmup_steps, "per_device_batch": profile.per_device_batch,
+                        "effective_batch": {r["name"]: r["effective_batch"] for r in plan(profile, n_gpus, names)},
+                        "eval_samples": profile.eval_samples,
                         "max_length": 128, "seed": 42} for spec in profile.models}
     return {"date": started.strftime("%Y-%m-%d"), "started": started.isoformat(timespec="seconds"),
             "duration_s": (dt.datetime.now() - started).total_seconds(), "hardware": hardware(),
             "versions": library_versions(), "memory_label": mem_label, "work": work,
+            "peak_flops": {f"{prec} x{threads} threads": v for (prec, threads), v in peaks.items()},
             "runs": [asdict(r) for r in runs], "ratios": ratios([asdict(r) for r in runs])}
 
 

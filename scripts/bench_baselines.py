@@ -104,6 +104,8 @@ class StepClock(TrainerCallback):
         self.start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
+        if torch.cuda.is_available():  # the step's kernels are queued, not done: time them done, as the loop's
+            torch.cuda.synchronize()
         self.elapsed.append(time.perf_counter() - self.start)
 
     def on_log(self, args, state, control, logs=None, **kwargs):

@@ -69,19 +69,23 @@ def fmt(value, spec: str) -> str:
 def markdown_table(results: dict) -> str:
     label = results["memory_label"]
     lines = [f"| model | run | procs | precision | samples/s | tokens/s | s/step median | s/step p10 "
-             f"| model state MiB/rank | predicted | measured/predicted | {label} MiB | accuracy |",
-             "|---|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+             f"| model state MiB/rank | predicted | measured/predicted | {label} MiB | accuracy | MFU |",
+             "|---|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in results["runs"]:
         if r["status"] != "ok":
-            lines.append(f"| {r['model']} | {r['name']} | | | {r['status']}: {r['reason']} | | | | | | | | |")
+            lines.append(f"| {r['model']} | {r['name']} | | | {r['status']}: {r['reason']} | | | | | | | | | |")
             continue
         peak = r["cuda_max_allocated"] if label == "CUDA max alloc" else r["peak_rss"]
+        if label == "CUDA max alloc" and r.get("cuda_max_reserved"):
+            peak_text = f"{peak / MIB:.0f} ({r['cuda_max_reserved'] / MIB:.0f} reserved)"
+        else:
+            peak_text = fmt(peak and peak / MIB, '.0f')
         lines.append(
             f"| {r['model']} | {r['name']} | {r['world']} | {r['precision']} | {fmt(r['samples_per_s'], '.1f')} "
             f"| {fmt(r['tokens_per_s'], '.0f')} | {fmt(r['step_time_s'], '.3f')} | {fmt(r['fast_step_time_s'], '.3f')} "
             f"| {fmt(r['state_measured'] and r['state_measured'] / MIB, '.2f')} "
             f"| {fmt(r['state_predicted'] and r['state_predicted'] / MIB, '.2f')} | {fmt(r['memory_ratio'], '.3f')} "
-            f"| {fmt(peak and peak / MIB, '.0f')} | {fmt(r['accuracy'], '.3f')} |")
+            f"| {peak_text} | {fmt(r['accuracy'], '.3f')} | {fmt(r.get('mfu') and 100 * r['mfu'], '.1f')}% |")
     return "\n".join(lines)
 
 
@@ -113,14 +117,22 @@ def render_markdown(results: dict, chart_name: str) -> str:
              f"Hardware: {hw['cpu']}, {hw['cpu_cores']} cores, {hw.get('memory_gib', '?')} GiB RAM; GPUs: {gpus}.",
              "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()) + ".", "", "## Work", ""]
     for model, w in results["work"].items():
+        batch = w.get("effective_batch")
+        batches = (f"{w['per_device_batch']} samples per device (effective batch: "
+                   + ", ".join(f"{k} {v}" for k, v in batch.items()) + ")") if isinstance(batch, dict) else \
+            f"{batch} samples ({w.get('train_samples')} samples)"
         lines.append(f"- {model}: `{w['model']}`{' (random init)' if w['random_init'] else ''}, {w['precision']}, "
-                     f"{w['steps']} optimizer steps of {w['effective_batch']} samples ({w['train_samples']} samples, "
-                     f"one epoch, seed {w['seed']}), throughput after {w['warmup_steps']} warm-up steps, lr "
-                     f"{w['learning_rate']}, eval on {w['eval_samples']} samples.")
+                     f"{w['steps']} optimizer steps of {batches}, one epoch, seed {w['seed']}, throughput after "
+                     f"{w['warmup_steps']} warm-up steps, lr {w['learning_rate']}, eval on {w['eval_samples']} "
+                     "samples.")
     lines += ["", "## Results", "", markdown_table(results), "",
               "s/step: median time of one optimizer step after the warm-up; p10: its 10th percentile, the steps "
               "that no other work on the machine slowed; the ratios below compare p10s. samples/s and tokens/s: "
-              "totals over all steps after the warm-up (tokens: non-pad).", "",
+              "totals over all steps after the warm-up (tokens: non-pad). MFU: model FLOP/s (6 x parameters x "
+              "tokens/s, plus attention) over the peak of the devices the run used: the data-sheet peak of the GPU, "
+              "or on CPU the best rate of a 1024 x 1024 matmul on the run's threads"
+              + (" (" + ", ".join(f"{k}: {v / 1e9:.1f} GFLOP/s" for k, v in results["peak_flops"].items()) + ")"
+                 if results.get("peak_flops") else "") + ".", "",
               "Model state: bytes of all live tensors on the largest rank after training and the final evaluation "
               "(recipes/memstats.py), against scripts/memory_model.py on the same basis. "
               f"{results['memory_label']}: the whole process (interpreter, libraries, activations), not model state.",

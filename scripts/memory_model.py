@@ -59,6 +59,7 @@ class ModelShape:
     param_numels: Optional[list] = None  # elements of each parameter tensor, when known (ZeRO-3 persistence)
     fsdp_root_params: int = 0  # elements FSDP2's root unit holds: outside the wrapped layers and input embedding
     hidden_size: int = 0  # what Accelerate fills DeepSpeed's "auto" bucket and threshold sizes from
+    num_layers: int = 0  # encoder layers: the attention term of the bench's model FLOPs
 
     def persistent(self, threshold: int) -> int:
         """Elements in parameters that ZeRO-3 keeps whole (numel <= threshold); 0 when the shapes are unknown."""
@@ -99,7 +100,7 @@ def shape_from_model(name_or_path: str, num_labels: int = 2) -> ModelShape:
     in_units = {id(p) for unit in units for p in unit.parameters()}
     root = sum(p.numel() for p in model.parameters() if id(p) not in in_units)
     return ModelShape(num_params=sum(numels), param_numels=numels, fsdp_root_params=root,
-                      hidden_size=getattr(config, "hidden_size", 0))
+                      hidden_size=getattr(config, "hidden_size", 0), num_layers=getattr(config, "num_hidden_layers", 0))
 
 
 def load_ds_config(strategy: str) -> dict:

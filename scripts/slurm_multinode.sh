@@ -21,8 +21,9 @@ fi
 
 # SLURM_GPUS_ON_NODE follows --gpus-per-node, also when it is changed on the sbatch command line.
 GPUS_PER_NODE=${SLURM_GPUS_ON_NODE:-4}
-# The first node of the allocation hosts the rendezvous; a host name works as well as an address.
-MAIN_IP=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
+# The first node of the allocation hosts the rendezvous; a host name works as well as an address. `sed -n 1p`
+# rather than `head -n1`: head exits early, scontrol can die of SIGPIPE, and pipefail then stops the script (141).
+MAIN_IP=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 # A port derived from the job id, so two jobs sharing a node do not fight over one port.
 MAIN_PORT=$((20000 + SLURM_JOB_ID % 10000))
 NUM_PROCESSES=$((SLURM_NNODES * GPUS_PER_NODE))
@@ -40,7 +41,8 @@ python scripts/check_config.py accelerate_configs/multinode.yaml "$@"
 echo "nodes: $SLURM_JOB_NODELIST; main: $MAIN_IP:$MAIN_PORT; processes: $NUM_PROCESSES ($GPUS_PER_NODE per node)"
 # Single quotes: $SLURM_NODEID must be expanded by each node's own task (0, 1, ...), not here on node 0.
 # The command-line flags override the YAML's num_machines, num_processes, machine_rank and main_process_ip/port.
-srun --kill-on-bad-exit=1 bash -c '
+# --cpus-per-task again for srun: Slurm 22.05 to 23.02 does not pass sbatch's value on to srun's tasks.
+srun --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" bash -c '
     exec accelerate launch --config_file accelerate_configs/multinode.yaml \
         --num_machines "$SLURM_NNODES" \
         --num_processes "$NUM_PROCESSES" \

@@ -11,6 +11,10 @@ from helpers import PYTHON, REPO, TINY
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The tests rehearse every strategy on CPU processes (gloo). On a machine with GPUs the launches would take them:
+# a 2-process config on a 1-GPU host would put both ranks on cuda:0, and the losses compared against CPU references
+# would come from another device. Mocked-GPU tests patch torch.cuda themselves.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """make bench's parts: the memory model against hand-computed bytes, the results writer, and a smoke run.
 
 - memory_model: 1e6 parameters on 4 ranks, every strategy in fp32 and bf16, against bytes worked out by hand from the
-  rules in its docstring (ds_configs/*.json as shipped: reduce_bucket_size 5e8, overlap_comm, contiguous_gradients).
+  rules in its docstring (ds_configs/*.json as shipped: ZeRO-2 buckets of 2e7 elements, ZeRO-3 "auto" buckets, which
+  without a hidden size the model assumes to be 1024^2, overlap_comm, contiguous_gradients).
 - The results writer turns a results dict into .md/.json/.png and rewrites README's bench block.
 - Smoke test (multiproc): the bench's own path on the tiny model, 4 steps, two strategies; rows must have positive
   throughput and model-state bytes within 10% of the prediction. No timing assertions.
@@ -16,7 +17,8 @@ from scripts import bench, bench_report
 from scripts import memory_model as mm
 
 P, N = 1_000_000, 4
-BUCKET = 500_000_000  # reduce_bucket_size of the shipped DeepSpeed JSONs, in elements
+BUCKET2 = 20_000_000  # reduce_bucket_size of the shipped ZeRO-2 JSONs, in elements
+BUCKET = 1024 * 1024  # ZeRO-3's "auto" reduce_bucket_size (hidden^2) for an unknown hidden size
 # (resident, peak) bytes per rank for P parameters on N ranks, Adam; "peak" adds what exists only around the step.
 EXPECTED = {
     # fp32 params 4P + Adam 8P; fp32 grads 4P until zero_grad. Autocast bf16 keeps the same tensors.
@@ -27,11 +29,11 @@ EXPECTED = {
     ("ddp", "bf16"): (16 * P, 20 * P),
     # params whole in the compute dtype + (4 master + 8 Adam) P/N; step: grad partition (+ its fp32 copy in bf16)
     # and 2 reduce buckets (overlap_comm).
-    ("zero2", "fp32"): (4 * P + 12 * P // N, 4 * P + 16 * P // N + 2 * BUCKET * 4),
-    ("zero2", "bf16"): (2 * P + 12 * P // N, 2 * P + 18 * P // N + 2 * BUCKET * 2),
+    ("zero2", "fp32"): (4 * P + 12 * P // N, 4 * P + 16 * P // N + 2 * BUCKET2 * 4),
+    ("zero2", "bf16"): (2 * P + 12 * P // N, 2 * P + 18 * P // N + 2 * BUCKET2 * 2),
     # offload: master, moments, fp32 grad partition and a compute-dtype staging partition stay on the host.
-    ("zero2_offload", "fp32"): (4 * P + 20 * P // N, 4 * P + 20 * P // N + 2 * BUCKET * 4),
-    ("zero2_offload", "bf16"): (2 * P + 18 * P // N, 2 * P + 18 * P // N + 2 * BUCKET * 2),
+    ("zero2_offload", "fp32"): (4 * P + 20 * P // N, 4 * P + 20 * P // N + 2 * BUCKET2 * 4),
+    ("zero2_offload", "bf16"): (2 * P + 18 * P // N, 2 * P + 18 * P // N + 2 * BUCKET2 * 2),
     # partitions b P/N + 12 P/N + grad buffer b P/N + 1 reduce bucket; step: all gathered (b P) + fp32 grad 4P/N.
     ("zero3", "fp32"): (20 * P // N + BUCKET * 4, 4 * P + 24 * P // N + BUCKET * 4),
     ("zero3", "bf16"): (16 * P // N + BUCKET * 2, 2 * P + 20 * P // N + BUCKET * 2),
@@ -61,12 +63,13 @@ def test_memory_model_places_offloaded_state_on_the_host():
 
 
 def test_memory_model_keeps_small_zero3_parameters_whole():
-    """Parameters of at most 1e5 elements (stage3_param_persistence_threshold) stay whole on every rank."""
-    shape = mm.ModelShape(num_params=1_000_000, param_numels=[600_000, 300_000, 100_000])
+    """Parameters of at most 10 x hidden elements ("auto" stage3_param_persistence_threshold) stay whole on every
+    rank: 10,240 for a hidden size of 1024."""
+    shape = mm.ModelShape(num_params=1_000_000, param_numels=[690_000, 300_000, 10_000], hidden_size=1024)
     parts = mm.predict("zero3", shape, N, "bf16")
     resident_params = sum(p.nbytes for p in parts if p.name == "parameters" and p.resident)
-    assert resident_params == 2 * 100_000 + 2 * 25_000 + 2 * 225_000
-    assert mm.totals(parts)["after_eval"] - mm.totals(parts)["resident"] == 2 * 900_000  # gathered by evaluation
+    assert resident_params == 2 * 10_000 + 2 * (1_000_000 // N)  # whole small one + the partition of all
+    assert mm.totals(parts)["after_eval"] - mm.totals(parts)["resident"] == 2 * 990_000  # gathered by evaluation
 
 
 def test_memory_model_fills_auto_sizes_as_accelerate_does():
@@ -117,7 +120,7 @@ def fake_results() -> dict:
     ok = dict(bench.Run(model="tiny", name="single", kind="strategy").__dict__, world=1, samples_per_s=150.0,
               tokens_per_s=7000.0, step_time_s=0.25, fast_step_time_s=0.2, state_measured=18_100_000,
               state_predicted=18_042_000,
-              memory_ratio=18_100_000 / 18_042_000, peak_rss=1_150_000_000, accuracy=0.61, final_loss=0.65,
+              memory_ratio=18_100_000 / 18_042_000, peak_rss=1_150_000_000, accuracy=0.61, final_loss=0.65, mfu=0.025,
               breakdown={"parameters": [6e6, 6e6], "optimizer_state": [12e6, 12e6],
                          "gradients_and_other": [1e5, 0]})
     loop = dict(ok, name="loop", kind="baseline", step_time_s=0.24, fast_step_time_s=0.19, samples_per_s=160.0)
@@ -143,7 +146,7 @@ def test_results_writer_writes_md_json_png_and_the_readme_block(tmp_path):
     md = paths["md"].read_text()
     table = [line for line in md.splitlines() if line.startswith("| tiny |")]
     assert table[0] == ("| tiny | single | 1 | fp32 | 150.0 | 7000 | 0.250 | 0.200 | 17.26 | 17.21 | 1.003 | 1097 "
-                        "| 0.610 |")
+                        "| 0.610 | 2.5% |")
     assert table[1].startswith("| tiny | fsdp | | | failed: ValueError: no FSDP on CPU |")
     assert "tiny, time per step (p10): recipe / hand-written loop **1.053x**" in md
     assert f"![throughput and memory]({paths['png'].name})" in md
