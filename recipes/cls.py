@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, HfArgumentParser,
                           get_linear_schedule_with_warmup)
 
-from recipes import RecipeError, checkpoint, data, launch_checks, records, strategy
+from recipes import RecipeError, activation_checkpointing, checkpoint, data, launch_checks, records, strategy
 from recipes.metrics import compute_metrics, load_metrics
 from recipes.probe import Probe
 
@@ -63,6 +63,7 @@ class Config:
     force_resume: bool = field(default=False, metadata={"help": "resume even if world size/accumulation changed"})
     record_ranks: bool = field(default=False, metadata={"help": "write ranks/rank<i>.json: sample ids, param sums"})
     ddp_timeout: int = field(default=1800, metadata={"help": "seconds a collective may wait before failing"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward (not FSDP)"})
 
 
 def parse_config(argv=None) -> Config:
@@ -214,6 +215,7 @@ def main(cfg: Config) -> dict:
     total_steps = loaders.plan.total_steps
     model = build_model(cfg, names)
     launch_checks.check_launch(cfg, model)
+    activation_checkpointing.apply(model, cfg.gradient_checkpointing)
     model = strategy.maybe_data_parallel(model, cfg, accelerator)
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.learning_rate)
     scheduler = get_linear_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total_steps), total_steps)
