@@ -1,9 +1,10 @@
 """Activation (gradient) checkpointing: keep only each layer's input in forward, recompute the rest in backward.
 
 Two switches, one per kind of strategy, never both:
-- `--gradient_checkpointing` (recipe flag): the model's own `gradient_checkpointing_enable`, for single, DDP and
-  DeepSpeed ZeRO-1/2/3. transformers 5.23.0 wraps each encoder layer in torch's non-reentrant checkpoint, which
-  saves and restores the RNG state, so dropout in the recomputed forward draws the same masks.
+- `--gradient_checkpointing` (recipe flag): the model's own `activation_checkpointing_enable` (transformers 5.23.0's
+  name; `gradient_checkpointing_enable` is its deprecated alias), for single, DDP and DeepSpeed ZeRO-1/2/3. It wraps
+  each encoder layer in torch's non-reentrant checkpoint, which saves and restores the RNG state, so dropout in the
+  recomputed forward draws the same masks.
 - `fsdp_activation_checkpointing: true` (accelerate_configs/fsdp.yaml): Accelerate 1.15.0 wraps the FSDP units
   itself inside `prepare`; it passes preserve_rng_state=False to torch's checkpoint, so with dropout on the
   recomputed masks differ from the forward's (noticed, not changed here).
@@ -31,4 +32,4 @@ def apply(model, enabled: bool, env=None) -> None:
         raise RecipeError("--gradient_checkpointing and fsdp_activation_checkpointing: true both checkpoint every "
                           "layer; keep one (under FSDP, the config's)")
     if enabled:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

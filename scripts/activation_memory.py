@@ -63,7 +63,7 @@ def measure(model_name_or_path: str, batch_size: int, seq_len: int, checkpointin
     config = AutoConfig.from_pretrained(model_name_or_path, num_labels=2)
     model = AutoModelForSequenceClassification.from_config(config)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     ids = torch.randint(5, config.vocab_size, (batch_size, seq_len))
     labels = torch.randint(0, 2, (batch_size,))
