@@ -63,7 +63,7 @@ class Config:
     force_resume: bool = field(default=False, metadata={"help": "resume even if world size/accumulation changed"})
     record_ranks: bool = field(default=False, metadata={"help": "write ranks/rank<i>.json: sample ids, param sums"})
     ddp_timeout: int = field(default=1800, metadata={"help": "seconds a collective may wait before failing"})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward (not FSDP)"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
 
 
 def parse_config(argv=None) -> Config:

@@ -7,8 +7,8 @@ Prints "ok: <file>" or one line per problem, and exits with status 1 when there 
 repository root: like `accelerate launch`, it reads `deepspeed_config_file` relative to the current directory.
 Recipe flags are those of recipes/cls.py; the ones not given take its defaults. Without --model_name_or_path the
 FSDP wrap classes are not checked. With --trainer_args (a TrainingArguments JSON) it also names each setting on which
-a transformers.Trainer script and the YAML + DeepSpeed JSON pair disagree (recipes/trainer_args_checks.py). The checks themselves are recipes/launch_checks.py, which the recipe also runs
-at start-up.
+a transformers.Trainer script and the YAML + DeepSpeed JSON pair disagree (recipes/trainer_args_checks.py). The
+checks themselves are recipes/launch_checks.py, which the recipe also runs at start-up.
 """
 from __future__ import annotations
 

@@ -86,7 +86,8 @@ def test_bf16_check_inside_the_launch(monkeypatch):
     """The recipe's start-up check sees the same from the launch environment; the fp16 twin and fp32 DDP pass."""
     _fake_gpu(monkeypatch, (7, 0), "Tesla V100")
     ds_env = {"WORLD_SIZE": "2", "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_MIXED_PRECISION": "no"}
-    problems = check_config.check_launch_env({**ds_env, "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero3.json"}, {})
+    zero3 = {**ds_env, "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero3.json"}
+    problems = check_config.check_launch_env(zero3, {})
     assert problems == ["bf16 asked for but Tesla V100 (compute capability 7.0) has no bf16 (needs 8.0 or newer): "
                         "use ds_configs/zero3_fp16.json (--deepspeed_config_file)"]
     assert check_config.check_launch_env({**ds_env, "ACCELERATE_DEEPSPEED_CONFIG_FILE":
@@ -108,7 +109,8 @@ def test_fp16_twin_resolves(tmp_path, name):
     launch["deepspeed_config"]["deepspeed_config_file"] = twin
     path = tmp_path / f"{name}_fp16.yaml"
     path.write_text(yaml.safe_dump(launch))
-    assert check_config.check_yaml(str(path), {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2}) == []
+    flags = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2}
+    assert check_config.check_yaml(str(path), flags) == []
     config = json.loads((REPO / twin).read_text())
     filled = {**config, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2,
               "train_batch_size": 16, "gradient_clipping": 1.0}
@@ -248,7 +250,8 @@ def test_zero1_fp32_losses_match_ddp(ddp_reference, tmp_path):
     assert resolved["distributed_type"] == "DEEPSPEED" and resolved["mixed_precision"] == "no"
     delta = _compare(ddp_reference, tmp_path, PARITY_ATOL)
     print(f"zero1: max |loss - ddp loss| over 8 steps = {delta:.3e}")
-    assert read_jsonl(tmp_path / "eval.jsonl")[-1]["accuracy"] == read_jsonl(ddp_reference / "eval.jsonl")[-1]["accuracy"]
+    final_accuracy = [read_jsonl(out / "eval.jsonl")[-1]["accuracy"] for out in (tmp_path, ddp_reference)]
+    assert final_accuracy[0] == final_accuracy[1]
 
 
 @pytest.mark.multiproc
