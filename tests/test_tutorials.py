@@ -130,10 +130,15 @@ def test_fp16_on_cpu_is_refused_or_inert():
     from accelerate import Accelerator
     from deepspeed.accelerator import get_accelerator
 
-    accelerator = Accelerator(cpu=True, mixed_precision="fp16")
-    model = accelerator.prepare(torch.nn.Linear(4, 4))
-    assert accelerator.mixed_precision == "fp16" and accelerator.scaler is None
-    assert model(torch.randn(2, 4)).dtype == torch.float32
+    from accelerate.state import AcceleratorState
+
+    try:
+        accelerator = Accelerator(cpu=True, mixed_precision="fp16")
+        model = accelerator.prepare(torch.nn.Linear(4, 4))
+        assert accelerator.mixed_precision == "fp16" and accelerator.scaler is None
+        assert model(torch.randn(2, 4)).dtype == torch.float32
+    finally:  # the state is a process-wide singleton: leave none behind for other in-process tests
+        AcceleratorState._reset_state(reset_partial_state=True)
     # CPU_Accelerator.is_fp16_supported returns a falsy None when mkldnn has no fp16, which the engine refuses.
     assert bool(get_accelerator().is_fp16_supported()) == bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
 
