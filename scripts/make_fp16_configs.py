@@ -4,9 +4,10 @@
     python scripts/make_fp16_configs.py --check    # exit 1 if a twin differs from what this script writes
 
 For GPUs without bf16 (compute capability < 8.0: V100, T4). A twin is its bf16 JSON with the "bf16" block replaced
-by an "fp16" block with dynamic loss scaling, in the same place, and "data_types" dropped: DeepSpeed 0.19.8's fp16
-optimizer accumulates gradients in fp16 and has no fp32 accumulation option. Everything else is copied, so the
-twins never drift from the bf16 files: edit the bf16 JSON, then run this script (tests/test_tutorials.py fails while
+by an "fp16" block with dynamic loss scaling, in the same place, and "data_types" dropped: its fp32 gradient
+accumulation is a bf16 setting (DeepSpeed 0.19.8, `DeepSpeedEngine._do_optimizer_sanity_check`, acts on it for bf16
+at ZeRO-1 only and refuses fp16 with fp32 accumulation without ZeRO). Everything else is copied, so the twins never
+drift from the bf16 files: edit the bf16 JSON, then run this script (tests/test_tutorials.py fails while
 a twin is stale).
 """
 from __future__ import annotations
