@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, HfArgumentParser,
                           get_linear_schedule_with_warmup)
 
-from recipes import RecipeError, checkpoint, data, launch_checks, records, strategy
+from recipes import RecipeError, activation_checkpointing, checkpoint, data, launch_checks, records, strategy
 from recipes.metrics import compute_metrics, load_metrics
 from recipes.probe import Probe
 
@@ -66,6 +66,7 @@ class Config:
     ddp_timeout: int = field(default=1800, metadata={"help": "seconds a collective may wait before failing"})
     logging_steps: int = field(default=10, metadata={"help": "read losses from the device every N steps"})
     tf32: bool = field(default=True, metadata={"help": "fp32 runs on GPUs use TF32 tensor cores for matmuls"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
 
 
 def parse_config(argv=None) -> Config:
@@ -214,6 +215,7 @@ def main(cfg: Config) -> dict:
     total_steps = loaders.plan.total_steps
     model = build_model(cfg, names)
     launch_checks.check_launch(cfg, model)
+    activation_checkpointing.apply(model, cfg.gradient_checkpointing)
     model = strategy.maybe_data_parallel(model, cfg, accelerator)
     optimizer = strategy.make_optimizer(accelerator, param_groups(model, cfg.weight_decay), cfg.learning_rate)
     scheduler = get_linear_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total_steps), total_steps)

@@ -15,7 +15,7 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from recipes import RecipeError
+from recipes import RecipeError, precision_support
 
 # DeepSpeed ignores unknown top-level keys without a word, so a misspelt key silently falls back to its default.
 # What our JSONs use, plus the common keys of the DeepSpeed configuration reference.
@@ -200,6 +200,8 @@ def check_yaml(yaml_path: str, recipe: dict, model_path: str | None = None) -> l
         problems += [f"deepspeed_config.{k} next to deepspeed_config_file: accelerate 1.15.0 refuses it; set it in "
                      f"{path}" for k in sorted(DS_KEYS_OWNED_BY_JSON & set(ds_section))]
         problems += deepspeed_problems(path, mixed_precision, "mixed_precision" in data, recipe, world)
+    ds_file = ds_section.get("deepspeed_config_file") if kind == "DEEPSPEED" else None
+    problems += precision_support.bf16_problems(mixed_precision, ds_file)
     if kind == "FSDP":
         if fsdp.get("fsdp_cpu_ram_efficient_loading") is True and fsdp.get("fsdp_sync_module_states") is False:
             problems.append("fsdp_cpu_ram_efficient_loading needs fsdp_sync_module_states: true (accelerate refuses)")
@@ -254,6 +256,8 @@ def check_launch_env(env: dict, recipe: dict, model=None) -> list[str]:
         from_yaml = "mixed_precision" in env.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",")
         path = env["ACCELERATE_DEEPSPEED_CONFIG_FILE"]
         problems += deepspeed_problems(path, mixed_precision, from_yaml, recipe, int(world))
+    ds_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") if env.get("ACCELERATE_USE_DEEPSPEED") == "true" else None
+    problems += precision_support.bf16_problems(env.get("ACCELERATE_MIXED_PRECISION", "no"), ds_file)
     wrap = env.get("FSDP_TRANSFORMER_CLS_TO_WRAP")
     if env.get("ACCELERATE_USE_FSDP") == "true" and wrap and model is not None:
         problems += wrap_class_problems(wrap, {type(m).__name__ for m in model.modules()}, "the model")

@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 PYTHON = sys.executable
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
-STRATEGIES = ("single", "ddp", "fsdp", "zero2", "zero3", "zero2_offload", "zero3_offload", "dataparallel")
+STRATEGIES = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "dataparallel")
 BASELINES = ("loop", "trainer", "pad128")
 
 

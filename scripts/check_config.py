@@ -6,17 +6,19 @@
 Prints "ok: <file>" or one line per problem, and exits with status 1 when there is a problem. Run it from the
 repository root: like `accelerate launch`, it reads `deepspeed_config_file` relative to the current directory.
 Recipe flags are those of recipes/cls.py; the ones not given take its defaults. Without --model_name_or_path the
-FSDP wrap classes are not checked. The checks themselves are recipes/launch_checks.py, which the recipe also runs
-at start-up.
+FSDP wrap classes are not checked. With --trainer_args (a TrainingArguments JSON) it also names each setting on which
+a transformers.Trainer script and the YAML + DeepSpeed JSON pair disagree (recipes/trainer_args_checks.py). The
+checks themselves are recipes/launch_checks.py, which the recipe also runs at start-up.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import fields
 from pathlib import Path
 
-from recipes import launch_checks
+from recipes import launch_checks, trainer_args_checks
 from recipes.cls import Config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -37,6 +39,18 @@ def check_launch_env(env: dict, recipe: dict, model=None) -> list[str]:
     return launch_checks.check_launch_env(env, recipe_flags(recipe), model)
 
 
+def trainer_problems(trainer_args_path: str, yaml_path: str) -> list[str]:
+    """Disagreements between a TrainingArguments JSON and a launch YAML with its DeepSpeed JSON."""
+    import yaml
+
+    try:
+        trainer_args = json.loads(Path(trainer_args_path).read_text())
+    except (OSError, ValueError) as err:
+        return [f"cannot read the trainer arguments {trainer_args_path}: {' '.join(str(err).split())}"]
+    return trainer_args_checks.trainer_args_problems(trainer_args, yaml.safe_load(Path(yaml_path).read_text()),
+                                                     where=trainer_args_path)
+
+
 def main(argv=None) -> int:
     from transformers import HfArgumentParser
 
@@ -45,6 +59,8 @@ def main(argv=None) -> int:
                               "DeepSpeed JSONs and the recipe flags. Run from the repository root.")
     parser.add_argument("yamls", nargs="*", help="accelerate launch YAML files")
     parser.add_argument("--all", action="store_true", help="check every file in accelerate_configs/")
+    parser.add_argument("--trainer_args", help="a transformers TrainingArguments JSON (scripts/trainer_deepspeed.py "
+                        "writes one) to check against each YAML and its DeepSpeed JSON")
     parser.set_defaults(model_name_or_path=None)  # no model given: skip the FSDP wrap-class check
     args = parser.parse_args(argv)
     recipe = {f.name: getattr(args, f.name) for f in fields(Config)}
@@ -55,6 +71,8 @@ def main(argv=None) -> int:
     failed = False
     for path in paths:
         problems = launch_checks.check_yaml(path, recipe, args.model_name_or_path)
+        if args.trainer_args and not problems:
+            problems = trainer_problems(args.trainer_args, path)
         print("\n".join(f"{path}: {problem}" for problem in problems) or f"ok: {path}")
         failed |= bool(problems)
     return 1 if failed else 0

@@ -23,6 +23,11 @@ DeepSpeed ZeRO-2 (DeepSpeedZeroOptimizer): the module is cast to the compute dty
   backward and frees them after the reduction. offload_optimizer moves master, moments and a pinned fp32 gradient
   partition to the host for good, plus a compute-dtype staging copy of the partition and two staging buffers of the
   largest parameter's size (one on the host, one on the device).
+DeepSpeed ZeRO-1 (DeepSpeedZeroOptimizer with partition_gradients=False): as ZeRO-2 between steps (whole
+  compute-dtype module, fp32 master partition and its Adam moments) but the gradients are not partitioned: each
+  rank holds the whole compute-dtype gradient from backward to the step. With "data_types": {"grad_accum_dtype":
+  "fp32"} and bf16, DeepSpeed 0.19.8 (`_do_optimizer_sanity_check`) picks BF16_Optimizer at stage 1 instead, which
+  keeps a flat fp32 gradient buffer as large as the model for the whole run, next to the sharded master and moments.
 DeepSpeed ZeRO-3 (DeepSpeedZeroOptimizer_Stage3): each parameter keeps a 1/N partition in the compute dtype;
   parameters of at most stage3_param_persistence_threshold elements also stay whole on every rank ("persistent").
   Others are gathered around their module's forward/backward and kept while they will be reused within
@@ -49,7 +54,7 @@ from typing import Optional
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GIB = 1024**3
-STRATEGIES = ("single", "ddp", "zero2", "zero2_offload", "zero3", "zero3_offload", "fsdp")
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "fsdp")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
@@ -143,6 +148,18 @@ def predict(strategy: str, shape: ModelShape, world: int, precision: str, optimi
     bucket = size("reduce_bucket_size", 5e8, hidden * hidden) * b if zero.get("contiguous_gradients", True) else 0
     parts = [Part("optimizer_state", "fp32 master partition", 4 * shard, opt_where),
              Part("optimizer_state", "optimizer moments of the partition", moments * shard, opt_where)]
+    if zero["stage"] == 1:
+        parts.append(Part("parameters", f"{precision} parameters, whole", b * P))
+        fp32_accum = ds.get("data_types", {}).get("grad_accum_dtype") == "fp32"
+        if precision == "bf16" and fp32_accum and opt_where == "device":  # BF16_Optimizer
+            parts.append(Part("gradients", "fp32 flat gradient buffer, whole (BF16_Optimizer)", 4 * P))
+            return parts
+        parts.append(Part("gradients", f"{precision} gradients, whole", b * P, resident=False))
+        if b != 4:
+            parts.append(Part("gradients", "fp32 copy of the gradient partition", 4 * shard, resident=False))
+        n_buckets = 2 if zero.get("overlap_comm", False) else 1
+        parts.append(Part("buffers", f"{n_buckets} reduce bucket(s)", n_buckets * bucket, resident=False))
+        return parts
     if zero["stage"] == 2:
         parts.append(Part("parameters", f"{precision} parameters, whole", b * P))
         if opt_where == "host":

@@ -36,7 +36,7 @@ def meta_model(tiny_model):
 
 def test_every_shipped_config_is_listed():
     assert {Path(p).stem for p in SHIPPED} == {"single", "ddp", "fsdp", "zero2", "zero3", "zero2_offload",
-                                               "zero3_offload", "multinode"}
+                                               "zero3_offload", "multinode", "zero1", "zero2_multinode"}
 
 
 @pytest.mark.parametrize("yaml_path", SHIPPED)
