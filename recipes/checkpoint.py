@@ -88,7 +88,7 @@ def find_checkpoint(cfg, world_size: int) -> ResumePoint:
                        path=path, saved_world=state["world_size"])
 
 
-def load_checkpoint(accelerator, start: ResumePoint, seed: int) -> None:
+def load_checkpoint(accelerator, optimizer, start: ResumePoint, seed: int) -> None:
     """`accelerator.load_state`, then check the RNG state really came back; set up what a new world needs.
 
     Accelerate 1.15.0 swallows any error while restoring RNG states (it logs "Could not load random states" at info
@@ -99,7 +99,7 @@ def load_checkpoint(accelerator, start: ResumePoint, seed: int) -> None:
 
     rank = accelerator.process_index
     accelerator.load_state(str(start.path))
-    elastic.after_load(accelerator, start)
+    elastic.after_load(accelerator, optimizer, start)
     if rank >= start.saved_world:
         elastic.seed_new_rank(seed, rank, start.step)
         return

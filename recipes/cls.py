@@ -242,7 +242,7 @@ def main(cfg: Config) -> dict:
                       f" process(es), {accelerator.distributed_type.value}, precision {accelerator.mixed_precision}")
     set_seed(cfg.seed, device_specific=True)  # per-rank dropout streams, identical whatever the strategy's init did
     if start.path:
-        checkpoint.load_checkpoint(accelerator, start, cfg.seed)  # model, optimizer, scheduler, RNG of every rank
+        checkpoint.load_checkpoint(accelerator, optimizer, start, cfg.seed)  # model, optimizer, scheduler, RNGs
         accelerator.print(f"resumed from {start.path} at step {start.step}")
     probe.watch(model)
     result = train(cfg, accelerator, model, optimizer, scheduler, loaders, metrics, start, probe)

@@ -184,7 +184,7 @@ class EvenShardBatchSampler(torch.utils.data.Sampler):
     def resume_at(self, epoch: int, samples: int) -> None:
         """Epoch `epoch` starts after its first `samples` samples (the ones the checkpoint consumed)."""
         if not 0 <= samples < self.n:
-            raise RecipeError(f"the checkpoint consumed {samples} samples of an epoch of {self.n}: other training data?")
+            raise RecipeError(f"the checkpoint consumed {samples} samples of an epoch of {self.n}: other data?")
         self.resume_epoch, self.resume_samples = epoch, samples
         self.set_epoch(self.epoch)
 

@@ -56,8 +56,8 @@ def ideal_accumulation(saved: dict, now: dict) -> str:
     return str(accum) if accum and not rest else f"(none: {global_batch(saved)} is not a multiple of {per_step})"
 
 
-def after_load(accelerator, start) -> None:
-    """Align Accelerate's accumulation counter with this run's plan.
+def after_load(accelerator, optimizer, start) -> None:
+    """Align Accelerate's accumulation counter with this run's plan; repair a ZeRO-3 universal load.
 
     `accelerator.load_state` (1.15.0) restores `accelerator.step`, the micro-batch counter whose multiples of the
     accumulation steps are the sync points, from the checkpoint; it counted the old world's micro-batches. A
@@ -65,6 +65,34 @@ def after_load(accelerator, start) -> None:
     accumulation, so 0 is the value the uninterrupted run has there.
     """
     accelerator.step = 0
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None and plugin.zero_stage == 3 and start.path.name.endswith(".universal"):
+        repair_zero3_universal_load(optimizer, start.path)
+
+
+def repair_zero3_universal_load(optimizer, path: Path) -> None:
+    """Undo two faults of DeepSpeed 0.19.8's ZeRO-3 universal load (stage3.py,
+    `load_hp_checkpoint_state_from_checkpoint_dir_stage3`); ZeRO-2's load (base_optimizer.py) has neither:
+    - it puts the same `step` tensor into the state of every sub-group; torch's AdamW increments `step` in place once
+      per parameter, so the shared step advances once per sub-group per optimizer step (wrong bias correction);
+    - it copies the hyperparameters of saved param group 0 into every group, so the no-decay group gets decay.
+    Here each state gets its own step tensor and each group its own saved hyperparameters.
+    """
+    import torch
+    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
+
+    from recipes.memstats import innermost_optimizer
+
+    inner = innermost_optimizer(optimizer)
+    for state in inner.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+    saved_file = next(path.glob("*/zero/optimizer_state.pt"))
+    saved = torch.load(saved_file, map_location="cpu", weights_only=False)[OPTIMIZER_STATE_DICT]["param_groups"]
+    if len(saved) != len(inner.param_groups):
+        raise RecipeError(f"{saved_file}: {len(saved)} optimizer groups saved, {len(inner.param_groups)} now")
+    for group, saved_group in zip(inner.param_groups, saved):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
 
 
 def seed_new_rank(seed: int, rank: int, step: int) -> None:

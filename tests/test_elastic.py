@@ -65,7 +65,8 @@ def reference(no_dropout, tmp_path_factory):
     def get(config: str, procs: int):
         if (config, procs) not in made:
             out = tmp_path_factory.mktemp(f"ref_{config[:-5]}_{procs}")
-            run_recipe(out, *no_dropout, *FLAGS, *no_clip(config), *ga(2 // procs), "--checkpointing_steps", str(RESUME_STEP),
+            run_recipe(out, *no_dropout, *FLAGS, *no_clip(config), *ga(2 // procs),
+                       "--checkpointing_steps", str(RESUME_STEP),
                        **launch(config, procs, out))
             assert len(losses(out)) == STEPS
             made[config, procs] = out
