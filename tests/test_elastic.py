@@ -115,7 +115,8 @@ def resume(ref, tmp_path, no_dropout, config: str, procs: int, *extra, check=Tru
     return out, proc
 
 
-CASES = [("ddp.yaml", 2, 1), ("ddp.yaml", 1, 2), ("fsdp.yaml", 2, 1), ("zero2.yaml", 2, 1), ("zero3.yaml", 2, 1)]
+CASES = [("ddp.yaml", 2, 1), ("ddp.yaml", 1, 2), ("fsdp.yaml", 2, 1), ("zero2.yaml", 2, 1), ("zero3.yaml", 2, 1),
+         ("zero3.yaml", 1, 2)]
 
 
 @pytest.mark.parametrize("config,before,after", CASES, ids=[f"{c[:-5]}-{b}to{a}" for c, b, a in CASES])
