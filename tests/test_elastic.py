@@ -5,9 +5,10 @@ the same global batch (8 per device x accumulation x processes = 16), and the re
 uninterrupted one: per-step losses after the resume point, the samples each step covered, the final weights.
 Tiny model without dropout (a world-size change gives other dropout streams), fp32.
 
-Tolerance ATOL = 1e-5 on losses and weights: the resumed run sums the same samples' gradients in another grouping
-(1 process x 2 micro-batches instead of 2 ranks x 1 and an all-reduce), and pads them to other lengths, so float32
-rounding (~1e-7 per step) differs, through a few Adam steps; the sample ids must be equal exactly.
+Tolerances: the resumed run sums the same samples' gradients in another grouping (1 process x 2 micro-batches instead
+of 2 ranks x 1 and an all-reduce) and pads them to other lengths, so float32 rounding (~1e-7 per step) may differ:
+ATOL = 1e-5 on losses, WEIGHT_ATOL = 1e-6 on the final weights (measured at most 7.5e-9; ZeRO-3 resumed without the
+universal-load repair in recipes/elastic.py ends 8.7e-6 away, so this bound catches it). Sample ids: equal exactly.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.multiproc
 FLAGS = ["--max_train_samples", "64", "--max_eval_samples", "16", "--per_device_train_batch_size", "8",
          "--num_train_epochs", "2", "--record_ranks"]
 STEPS, RESUME_STEP, SAMPLES_AT_RESUME = 8, 6, 32
-ATOL = 1e-5
+ATOL, WEIGHT_ATOL = 1e-5, 1e-6
 
 
 def launch(config: str, procs: int, tmp_path) -> dict:
@@ -97,7 +98,7 @@ def assert_same_training(ref, ref_procs: int, resumed, procs: int, label: str) -
     w_ref, w_got = final_weights(ref), final_weights(resumed)
     param_delta = max((w_ref[k] - w_got[k]).abs().max().item() for k in w_ref)
     print(f"{label}: max |loss diff| after resume {delta:.1e}, max |weight diff| {param_delta:.1e}")
-    assert delta <= ATOL and param_delta <= ATOL
+    assert delta <= ATOL and param_delta <= WEIGHT_ATOL
     # Steps 7 and 8 (epoch 1 after sample 32) cover the same samples: the last 2 steps of the reference.
     assert step_samples(resumed, 2 // procs) == step_samples(ref, 2 // ref_procs)[-(STEPS - RESUME_STEP):]
     assert read_jsonl(resumed / "eval.jsonl")[-1]["accuracy"] == read_jsonl(ref / "eval.jsonl")[-1]["accuracy"]
