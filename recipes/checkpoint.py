@@ -1,8 +1,9 @@
 """Checkpoints for exact resume: save atomically, find the one to resume from, load and verify it, trim records.
 
 A checkpoint is `checkpoints/step_N/` (Accelerate's `save_state`: model, optimizer, scheduler, every rank's RNG
-states; DeepSpeed and FSDP shards from every rank) plus `trainer_state.json`, the position in the data. The file
-`checkpoints/latest` names the newest complete one.
+states; DeepSpeed and FSDP shards from every rank) plus `trainer_state.json`: the step, the position in the data as
+samples consumed in the epoch, and the batch layout (per-device batch, world size, accumulation) it was written
+with. The file `checkpoints/latest` names the newest complete one. Resuming on another world size is in elastic.py.
 """
 from __future__ import annotations
 
@@ -15,20 +16,18 @@ from typing import Optional
 
 import torch
 
-from recipes import RecipeError
-
-# Settings that fix the sample order: a resume with other values would not continue the same training.
-RESUME_KEYS = ("world_size", "gradient_accumulation_steps", "per_device_train_batch_size", "seed")
+from recipes import RecipeError, elastic
 
 
 @dataclass
 class ResumePoint:
-    """Where training (re)starts: optimizer steps done, and the epoch and micro-batch the data continues from."""
+    """Where training (re)starts: optimizer steps done, and the epoch and sample position the data continues from."""
 
     step: int = 0
     epoch: int = 0
-    micro_in_epoch: int = 0
+    samples_in_epoch: int = 0  # samples of `epoch` the checkpoint had consumed (on all ranks together)
     path: Optional[Path] = None  # the checkpoint folder; None for a fresh start
+    saved_world: int = 1  # the number of processes that wrote it
 
 
 def check_shared_output_dir(accelerator, out: Path) -> None:
@@ -119,36 +118,40 @@ def find_checkpoint(cfg, world_size: int) -> ResumePoint:
         raise RecipeError(f"checkpoint {path} has no readable trainer_state.json: {err}") from None
     now = {"world_size": world_size, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
            "per_device_train_batch_size": cfg.per_device_train_batch_size, "seed": cfg.seed}
-    changed = [f"{k} {state[k]} -> {now[k]}" for k in RESUME_KEYS if state[k] != now[k]]
-    if changed and not cfg.force_resume:
-        raise RecipeError(f"checkpoint {path} was written with other settings ({', '.join(changed)}): the resumed "
-                          "run would not continue the same sample order; pass --force_resume to resume anyway")
-    for rank in range(world_size):
+    elastic.check_batch_layout(path, state, now, cfg.force_resume)
+    for rank in range(min(world_size, state["world_size"])):  # ranks that exist now and existed then
         if not (path / f"random_states_{rank}.pkl").is_file():
             raise RecipeError(f"checkpoint {path} has no RNG state for rank {rank} (random_states_{rank}.pkl)")
-    return ResumePoint(step=state["step"], epoch=state["epoch"], micro_in_epoch=state["micro_in_epoch"], path=path)
+    return ResumePoint(step=state["step"], epoch=state["epoch"], samples_in_epoch=state["samples_in_epoch"],
+                       path=path, saved_world=state["world_size"])
 
 
-def load_checkpoint(accelerator, path: Path) -> None:
-    """`accelerator.load_state`, then check the RNG state really came back.
+def load_checkpoint(accelerator, optimizer, start: ResumePoint, seed: int) -> None:
+    """`accelerator.load_state`, then check the RNG state really came back; set up what a new world needs.
 
     Accelerate 1.15.0 swallows any error while restoring RNG states (it logs "Could not load random states" at info
-    level) and the run would silently draw other dropout masks; here that fails the resume instead.
+    level) and the run would silently draw other dropout masks; here that fails the resume instead. A rank that did
+    not exist when the checkpoint was written gets a fresh deterministic stream (elastic.seed_new_rank).
     """
     from accelerate.utils import load  # torch.load with weights_only=True and numpy's RNG types allow-listed
 
-    accelerator.load_state(str(path))
     rank = accelerator.process_index
-    saved = load(path / f"random_states_{rank}.pkl")
+    accelerator.load_state(str(start.path))
+    elastic.after_load(accelerator, optimizer, start)
+    if rank >= start.saved_world:
+        elastic.seed_new_rank(seed, rank, start.step)
+        return
+    saved = load(start.path / f"random_states_{rank}.pkl")
     if "torch_manual_seed" not in saved or not torch.equal(saved["torch_manual_seed"], torch.get_rng_state()):
-        raise RecipeError(f"checkpoint {path}: the CPU RNG state of rank {rank} was not restored")
+        raise RecipeError(f"checkpoint {start.path}: the CPU RNG state of rank {rank} was not restored")
     # GPU dropout draws from the CUDA generator of the current device, which Accelerate restores in the same
     # try/except (saved as "torch_cuda_manual_seed", one state per visible device, in 1.15.0).
     if torch.cuda.is_available():
         device = torch.cuda.current_device()
         states = saved.get("torch_cuda_manual_seed")
         if states is None or len(states) <= device or not torch.equal(states[device], torch.cuda.get_rng_state(device)):
-            raise RecipeError(f"checkpoint {path}: the CUDA RNG state of rank {rank} (cuda:{device}) was not restored")
+            raise RecipeError(f"checkpoint {start.path}: the CUDA RNG state of rank {rank} (cuda:{device}) was not "
+                              "restored")
 
 
 def truncate_records(out: Path, step: int) -> None:

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, HfArgumentParser,
                           get_linear_schedule_with_warmup)
 
-from recipes import RecipeError, activation_checkpointing, checkpoint, data, launch_checks, records, strategy
+from recipes import RecipeError, activation_checkpointing, checkpoint, data, elastic, launch_checks, records, strategy
 from recipes.metrics import compute_metrics, load_metrics
 from recipes.probe import Probe
 
@@ -61,7 +61,7 @@ class Config:
         "help": "wrap in nn.DataParallel over visible GPUs (precision: ACCELERATE_MIXED_PRECISION=bf16|fp16|no)"})
     checkpointing_steps: Optional[str] = field(default=None, metadata={"help": "save a checkpoint every N steps or 'epoch'"})
     resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "checkpoint folder or 'latest'"})
-    force_resume: bool = field(default=False, metadata={"help": "resume even if world size/accumulation changed"})
+    force_resume: bool = field(default=False, metadata={"help": "resume even with another global batch or seed"})
     record_ranks: bool = field(default=False, metadata={"help": "write ranks/rank<i>.json: sample ids, param sums"})
     ddp_timeout: int = field(default=1800, metadata={"help": "seconds a collective may wait before failing"})
     logging_steps: int = field(default=10, metadata={"help": "read losses from the device every N steps"})
@@ -138,12 +138,14 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
     progress = tqdm(total=plan.total_steps, initial=step, disable=not accelerator.is_local_main_process, desc="train")
     log = records.StepLog(accelerator, out / "metrics.jsonl", cfg.logging_steps, progress)
     for epoch in range(start.epoch, plan.epochs):
-        loaders.sampler.set_epoch(epoch)
-        first = start.micro_in_epoch if epoch == start.epoch else 0  # what the checkpoint consumed, its epoch only
-        loader = accelerator.skip_first_batches(loaders.train, first) if first else loaders.train
-        for micro, batch in enumerate(loader, start=first):
+        # Accelerate 1.15.0's prepared loader re-sets a single-process sampler's epoch to its own pass counter on each
+        # iteration, a counter that starts at 0 in a resumed run: set the loader's epoch too, not only the sampler's.
+        loaders.train.set_epoch(epoch)
+        loaders.sampler.set_epoch(epoch)  # the sampler starts the resumed epoch at the checkpoint's sample position
+        windows = plan.windows(epoch)
+        for micro, batch in enumerate(loaders.train):
             probe.batch(batch)
-            n_window = plan.window_samples[micro // accum]
+            n_window = windows[micro // accum]
             labels = batch.pop("labels")
             with accelerator.accumulate(model):
                 logits = model(**batch).logits
@@ -172,8 +174,8 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
             probe.step(step)
             if checkpoint.checkpoint_due(cfg.checkpointing_steps, step, end_of_epoch):
                 log.flush()  # metrics.jsonl holds every step up to the checkpoint
-                position = {"epoch": epoch + 1, "micro_in_epoch": 0} if end_of_epoch else \
-                    {"epoch": epoch, "micro_in_epoch": micro + 1}
+                position = {"epoch": epoch + 1, "samples_in_epoch": 0} if end_of_epoch else \
+                    {"epoch": epoch, "samples_in_epoch": loaders.sampler.samples_done(micro + 1)}
                 checkpoint.save_checkpoint(accelerator, out, {
                     "step": step, **position, "world_size": world, "gradient_accumulation_steps": accum,
                     "per_device_train_batch_size": cfg.per_device_train_batch_size, "seed": cfg.seed}, probe)
@@ -211,7 +213,8 @@ def main(cfg: Config) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path)
     with accelerator.main_process_first():  # rank 0 tokenizes and caches; the others read its cache
         train_ds, eval_ds, names = data.prepare_datasets(cfg, tokenizer, with_ids=probe.wants_sample_ids)
-    loaders = data.build_loaders(cfg, train_ds, eval_ds, tokenizer, accelerator.num_processes, accelerator.device.type)
+    loaders = data.build_loaders(cfg, train_ds, eval_ds, tokenizer, accelerator.num_processes, resume=start,
+                                 device_type=accelerator.device.type)
     total_steps = loaders.plan.total_steps
     model = build_model(cfg, names)
     launch_checks.check_launch(cfg, model)
@@ -221,6 +224,7 @@ def main(cfg: Config) -> dict:
     scheduler = get_linear_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total_steps), total_steps)
 
     strategy.fill_deepspeed_auto(accelerator, cfg)
+    start = elastic.prepare_universal(accelerator, start)  # ZeRO on another world size: universal checkpoint
     model, optimizer, loaders.train, scheduler = accelerator.prepare(model, optimizer, loaders.train, scheduler)
     loaders.eval = accelerator.prepare(loaders.eval)
 
@@ -241,7 +245,7 @@ def main(cfg: Config) -> dict:
                       f" process(es), {accelerator.distributed_type.value}, precision {accelerator.mixed_precision}")
     set_seed(cfg.seed, device_specific=True)  # per-rank dropout streams, identical whatever the strategy's init did
     if start.path:
-        checkpoint.load_checkpoint(accelerator, start.path)  # model, optimizer, scheduler, RNG states of every rank
+        checkpoint.load_checkpoint(accelerator, optimizer, start, cfg.seed)  # model, optimizer, scheduler, RNGs
         accelerator.print(f"resumed from {start.path} at step {start.step}")
     probe.watch(model)
     result = train(cfg, accelerator, model, optimizer, scheduler, loaders, metrics, start, probe)

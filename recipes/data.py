@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Optional
 
 import torch
 from transformers import DataCollatorWithPadding
@@ -168,16 +169,38 @@ class EvenShardBatchSampler(torch.utils.data.Sampler):
     not hold the samples a larger batch would; with `even_batches=False` ranks can get different numbers of batches
     and hang in the gradient all-reduce. Here every rank gets the same number of batches, every sample appears once
     per epoch, and the order depends only on (seed, epoch).
+
+    A resumed run starts its first epoch at a sample position (`resume_at`), not at a micro-batch count: the rest of
+    that epoch's order is dealt in this run's rounds, so a checkpoint continues on another world size or batch.
     """
 
     def __init__(self, n: int, batch_size: int, world_size: int, seed: int, shuffle: bool = True):
         # No `batch_size` attribute: Accelerate would then treat the batches as fixed-size and pad the last ones.
-        self.n, self.world_size, self.seed, self.shuffle = n, world_size, seed, shuffle
-        self.sizes = round_sizes(n, batch_size, world_size)
-        self.epoch = 0
+        self.n, self.per_rank, self.world_size, self.seed, self.shuffle = n, batch_size, world_size, seed, shuffle
+        self.full_sizes = round_sizes(n, batch_size, world_size)
+        self.resume_epoch, self.resume_samples = None, 0
+        self.set_epoch(0)
+
+    def resume_at(self, epoch: int, samples: int) -> None:
+        """Epoch `epoch` starts after its first `samples` samples (the ones the checkpoint consumed)."""
+        if not 0 <= samples < self.n:
+            raise RecipeError(f"the checkpoint consumed {samples} samples of an epoch of {self.n}: other data?")
+        self.resume_epoch, self.resume_samples = epoch, samples
+        self.set_epoch(self.epoch)
 
     def set_epoch(self, epoch: int) -> None:
+        """Idempotent: Accelerate's prepared loader calls it again with its own counter (see cls.train)."""
         self.epoch = epoch
+        self.start = self.resume_samples if epoch == self.resume_epoch else 0
+        self.sizes = self.rest_sizes() if self.start else self.full_sizes
+
+    def rest_sizes(self) -> list[int]:
+        """Rounds of the resumed epoch after its consumed samples (the full epoch's tail when they are aligned)."""
+        return round_sizes(self.n - self.resume_samples, self.per_rank, self.world_size)
+
+    def samples_done(self, rounds: int) -> int:
+        """Samples of the current epoch consumed once `rounds` rounds (micro-batches per rank) of this run are done."""
+        return self.start + sum(self.sizes[:rounds])
 
     def __len__(self) -> int:
         return len(self.sizes) * self.world_size
@@ -188,7 +211,7 @@ class EvenShardBatchSampler(torch.utils.data.Sampler):
             order = torch.randperm(self.n, generator=g).tolist()
         else:
             order = list(range(self.n))
-        start = 0
+        start = self.start
         for size in self.sizes:
             chunk = order[start : start + size]
             start += size
@@ -200,23 +223,45 @@ class EvenShardBatchSampler(torch.utils.data.Sampler):
                 offset += take
 
 
+def window_samples(sizes: list[int], accum: int) -> list[int]:
+    """Samples on all ranks in each optimizer step (a window of `accum` rounds); the last window may be partial."""
+    return [sum(sizes[w : w + accum]) for w in range(0, len(sizes), accum)]
+
+
 @dataclass
 class StepPlan:
-    """How the micro-batches of an epoch group into optimizer steps; computed once per run."""
+    """How the micro-batches of each epoch group into optimizer steps; computed once per run."""
 
-    windows_per_epoch: int  # optimizer steps per epoch (the last window may hold fewer micro-batches)
-    total_steps: int  # optimizer steps of the whole run
-    window_samples: list  # samples on all ranks in each window of an epoch: the loss divides by these
+    full_windows: list  # samples on all ranks in each window of a full epoch: the loss divides by these
+    total_steps: int  # optimizer steps of the whole run, counted from step 0
+    epochs: int  # the loop runs epochs [resume epoch, epochs); the last may stop at total_steps
+    resume_epoch: Optional[int] = None  # the epoch a resumed run starts inside ...
+    resume_windows: Optional[list] = None  # ... and the windows left in it, in this run's rounds
 
     @classmethod
-    def of(cls, sampler: EvenShardBatchSampler, accum: int, epochs: int, max_steps: int | None) -> "StepPlan":
-        windows = math.ceil(len(sampler.sizes) / accum)
-        samples = [sum(sampler.sizes[w * accum:(w + 1) * accum]) for w in range(windows)]
-        return cls(windows, max_steps or windows * epochs, samples)
+    def of(cls, sampler: EvenShardBatchSampler, accum: int, epochs: int, max_steps: Optional[int],
+           done_steps: int = 0) -> "StepPlan":
+        """`done_steps`: the resume point's step; the sampler knows its epoch and sample position.
+
+        With the global batch unchanged, the windows left in the resumed epoch are the tail of a full epoch's and
+        the total is the uninterrupted run's; after --force_resume with another batch they are counted anew.
+        """
+        full = window_samples(sampler.full_sizes, accum)
+        first = sampler.resume_epoch or 0
+        rest = window_samples(sampler.rest_sizes(), accum) if sampler.resume_samples else None
+        end_of_first = done_steps + (len(rest) if rest else len(full))
+        total = max_steps or end_of_first + (epochs - first - 1) * len(full)
+        n_epochs = first + 1 + max(0, math.ceil((total - end_of_first) / len(full)))
+        if done_steps >= total:  # resumed from the last step: nothing left to train
+            n_epochs = first
+        return cls(full, total, n_epochs, first if rest else None, rest)
 
     @property
-    def epochs(self) -> int:
-        return math.ceil(self.total_steps / self.windows_per_epoch)
+    def windows_per_epoch(self) -> int:
+        return len(self.full_windows)
+
+    def windows(self, epoch: int) -> list:
+        return self.resume_windows if epoch == self.resume_epoch else self.full_windows
 
 
 @dataclass
@@ -227,18 +272,22 @@ class Loaders:
     plan: StepPlan
 
 
-def build_loaders(cfg, train_ds, eval_ds, tokenizer, world_size: int, device_type: str = "cpu") -> Loaders:
+def build_loaders(cfg, train_ds, eval_ds, tokenizer, world_size: int, resume=None, device_type: str = "cpu") -> Loaders:
+    """The loaders and step plan; `resume` (a checkpoint.ResumePoint) starts the data at its sample position."""
     collate = Collator(tokenizer, cfg.max_length, cfg.pad_to_max_length)
     # On GPUs: batches collated by worker processes ahead of the step, in pinned memory so that the copy to the
     # device does not block (Accelerator(dataloader_config=non_blocking)). On CPU the main process collates: there
     # is no copy to hide, and worker processes would take cores from the training threads.
     workers = dict(pin_memory=True, num_workers=2, persistent_workers=True) if device_type == "cuda" else {}
     sampler = EvenShardBatchSampler(len(train_ds), cfg.per_device_train_batch_size, world_size, cfg.seed)
+    if resume is not None and resume.path:
+        sampler.resume_at(resume.epoch, resume.samples_in_epoch)
     # Own generators: otherwise each new iterator draws its seed from the global RNG and shifts the dropout stream,
     # so a resumed run (which creates its first iterator later) would no longer match the uninterrupted one.
     train_dl = torch.utils.data.DataLoader(train_ds, batch_sampler=sampler, collate_fn=collate,
                                            generator=torch.Generator().manual_seed(cfg.seed), **workers)
     eval_dl = torch.utils.data.DataLoader(eval_ds, batch_size=cfg.per_device_eval_batch_size, collate_fn=collate,
                                           generator=torch.Generator().manual_seed(cfg.seed), **workers)
-    plan = StepPlan.of(sampler, cfg.gradient_accumulation_steps, cfg.num_train_epochs, cfg.max_train_steps)
+    plan = StepPlan.of(sampler, cfg.gradient_accumulation_steps, cfg.num_train_epochs, cfg.max_train_steps,
+                       resume.step if resume is not None else 0)
     return Loaders(train_dl, eval_dl, sampler, plan)

@@ -146,11 +146,13 @@ def test_resume_checks_the_cuda_rng_state_of_the_current_device(monkeypatch, tmp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: current["state"])
-    accelerator = SimpleNamespace(process_index=0, load_state=lambda path: None)
-    checkpoint.load_checkpoint(accelerator, tmp_path)  # restored: passes
+    accelerator = SimpleNamespace(process_index=0, load_state=lambda path: None,
+                                  state=SimpleNamespace(deepspeed_plugin=None))
+    start = checkpoint.ResumePoint(step=4, path=tmp_path, saved_world=1)
+    checkpoint.load_checkpoint(accelerator, None, start, 42)  # restored: passes
     current["state"] = torch.tensor([9, 9, 9], dtype=torch.uint8)
     with pytest.raises(RecipeError, match=r"CUDA RNG state of rank 0 \(cuda:1\) was not restored"):
-        checkpoint.load_checkpoint(accelerator, tmp_path)
+        checkpoint.load_checkpoint(accelerator, None, start, 42)
 
 
 def test_data_parallel_runs_in_the_precision_the_variable_asks(tiny_model, tmp_path):
