@@ -77,12 +77,7 @@ class Config:
 def parse_config(argv=None) -> Config:
     parser = HfArgumentParser(Config)
     parser.allow_abbrev = False  # a typo such as --learning_rat must fail, not silently set --learning_rate
-    try:
-        cfg, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
-    except SystemExit as exc:  # argparse printed its usage and the bad value; --help exits 0
-        if exc.code:
-            raise RecipeError("bad flag value (see the usage line above)") from None
-        raise
+    cfg, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown:
         raise RecipeError(f"unknown arguments: {' '.join(unknown)}")
     tasks.apply_task(cfg)
