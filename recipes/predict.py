@@ -1,0 +1,60 @@
+"""Predictions after training: predictions.jsonl, every input row exactly once and in input order, on any world size.
+
+The rows go through a plain sequential DataLoader prepared by Accelerate: rank r gets batches r, r + world, ...,
+and `gather_for_metrics` concatenates one batch per rank per call (so consecutive batches, in order) and drops the
+samples Accelerate repeats to complete the last round. The row index travels with each example and is written
+from the gathered tensor, so the order is checked, not assumed.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from recipes import data, problem
+
+
+def write_predictions(cfg, accelerator, model, predict_ds, tokenizer, names: list[str], path: Path) -> int:
+    """Predict every row of `predict_ds` and write `path` (rank 0, through a temporary file); returns the count.
+
+    Each line: {"row", "prediction" (label name, list of names, or score), "probabilities" (classification),
+    "label" (the row's own label when it has one)}.
+    """
+    loader = torch.utils.data.DataLoader(predict_ds, batch_size=cfg.per_device_eval_batch_size,
+                                         collate_fn=data.Collator(tokenizer, cfg.max_length, cfg.pad_to_max_length))
+    loader = accelerator.prepare(loader)
+    model.eval()
+    rows, logits_all, labels_all = [], [], []
+    for batch in loader:
+        row, labels = batch.pop(data.ROW), batch.pop("labels")
+        with torch.no_grad():
+            logits = model(**batch).logits.float()
+        row, logits, labels = accelerator.gather_for_metrics((row, logits, labels))
+        rows.append(row.cpu())
+        logits_all.append(logits.cpu())
+        labels_all.append(labels.cpu())
+    model.train()
+    rows, logits, labels = torch.cat(rows), torch.cat(logits_all), torch.cat(labels_all)
+    has_label = problem.scored(cfg.problem_type, labels)
+    if accelerator.is_main_process:
+        tmp = path.with_suffix(".jsonl.tmp")
+        with open(tmp, "w") as f:
+            for i in range(len(rows)):
+                record = problem.prediction_record(cfg.problem_type, int(rows[i]), logits[i], names,
+                                                   cfg.multi_label_threshold)
+                if has_label[i]:
+                    record["label"] = _label_value(cfg.problem_type, labels[i], names)
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    accelerator.wait_for_everyone()
+    return len(rows)
+
+
+def _label_value(problem_type: str, label: torch.Tensor, names: list[str]):
+    if problem_type == "regression":
+        return float(label)
+    if problem_type == "multi_label":
+        return [n for n, hot in zip(names, label.tolist()) if hot > 0]
+    return names[int(label)]
