@@ -290,6 +290,6 @@ if __name__ == "__main__":
     try:
         main(parse_config())
     except RecipeError as err:
-        if os.environ.get("RANK", "0") == "0":  # every rank fails alike: one line, from the first process
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank fails alike: one line per machine
             print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
