@@ -98,9 +98,11 @@ def _flags(files, model, kind):
             *extra]
 
 
-RUNS = {"pairs": [("ddp.yaml", 32, 1), ("zero3.yaml", 8, 4)],
-        "regression": [("ddp.yaml", 32, 1), ("zero3.yaml", 8, 4), ("fsdp.yaml", 8, 4)],
-        "multi_label": [("ddp.yaml", 32, 1), ("zero3.yaml", 8, 4), ("fsdp.yaml", 8, 4)]}
+# One 8 x 4 comparison per new loss (MSE on ZeRO-3, BCE on FSDP2): the launches are the suite's cost. Pairs are
+# single-label, whose accumulation and strategy parity test_resume and test_strategies already hold.
+RUNS = {"pairs": [("ddp.yaml", 32, 1)],
+        "regression": [("ddp.yaml", 32, 1), ("zero3.yaml", 8, 4)],
+        "multi_label": [("ddp.yaml", 32, 1), ("fsdp.yaml", 8, 4)]}
 
 
 @pytest.fixture(scope="module", params=list(RUNS))
