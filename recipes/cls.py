@@ -147,7 +147,7 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
                 accelerator.backward(loss_sum * loss_scale(accum, world, n_window))
                 window_sums += torch.stack([loss_sum.detach(), batch["attention_mask"].sum()])
                 if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad()
             if not accelerator.sync_gradients:
@@ -159,7 +159,8 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
             window_sums.zero_()
             loss = loss_total / n_window
             record = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "samples": n_window,
-                      "tokens": int(tokens), "elapsed": time.perf_counter() - t0}
+                      "tokens": int(tokens), "elapsed": time.perf_counter() - t0,
+                      "grad_norm": strategy.grad_norm_after_clip(accelerator, model, grad_norm)}
             accelerator.log({"train/loss": loss, "train/lr": lr}, step=step)
             if accelerator.is_main_process:
                 records.append_jsonl(out / "metrics.jsonl", record)

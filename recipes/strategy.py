@@ -91,3 +91,17 @@ def maybe_data_parallel(model, cfg, accelerator):
     accelerator.print(f"--data_parallel: nn.DataParallel over {n_gpus} GPUs")
     return torch.nn.DataParallel(model)
 
+
+
+def grad_norm_after_clip(accelerator, model, value) -> float:
+    """The step's gradient norm before clipping, as a float, from what `accelerator.clip_grad_norm_` returned.
+
+    Accelerate 1.15.0 returns None under DeepSpeed (0.19.8 clips inside the engine's step, which has run by the
+    time this is called); the engine then holds the pre-clip global norm of the step just taken. FSDP2 returns a
+    DTensor, whose full value is the norm over all shards.
+    """
+    if value is None:
+        value = model.get_global_grad_norm()
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    return float(value)
