@@ -44,7 +44,12 @@ def losses(output_dir: Path) -> list[float]:
 
 
 def rank_records(output_dir: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted((output_dir / "ranks").glob("rank*.json"))]
+    """Every rank's record, ranks 0..world-1 of the run's run_config.json: missing or extra records fail here, so
+    a comparison over them never compares nothing."""
+    world = json.loads((Path(output_dir) / "run_config.json").read_text())["world_size"]
+    records = [json.loads(p.read_text()) for p in sorted((Path(output_dir) / "ranks").glob("rank*.json"))]
+    assert [r["rank"] for r in records] == list(range(world)), f"rank records of {output_dir}: expected {world}"
+    return records
 
 
 def fp32_launch_args(config: str, tmp_path: Path) -> list[str]:

@@ -136,9 +136,12 @@ def test_missing_launch_config_is_refused(tmp_path):
     assert "no_such_strategy.yaml" in proc.stderr and not (tmp_path / "final").exists()
 
 
-@pytest.mark.parametrize("n,batch,world", [(256, 16, 2), (101, 16, 2), (33, 16, 2), (3, 16, 2), (65, 32, 2),
-                                           (17, 4, 3), (1, 8, 1)])
-def test_even_shard_sampler_deals_every_sample_once_and_evenly(n, batch, world):
+# Samples per round, counted by hand: full rounds of batch x world, then the remainder as one round, or folded
+# into the last round when smaller than the world size (33 = 32 + 1, 65 = 64 + 1).
+@pytest.mark.parametrize("n,batch,world,rounds", [(256, 16, 2, [32] * 8), (101, 16, 2, [32, 32, 32, 5]),
+                                                  (33, 16, 2, [33]), (3, 16, 2, [3]), (65, 32, 2, [65]),
+                                                  (17, 4, 3, [12, 5]), (1, 8, 1, [1])])
+def test_even_shard_sampler_deals_every_sample_once_and_evenly(n, batch, world, rounds):
     sampler = data.EvenShardBatchSampler(n, batch, world, seed=0)
     batches = list(sampler)
     assert len(batches) == len(sampler) and len(batches) % world == 0
@@ -146,8 +149,7 @@ def test_even_shard_sampler_deals_every_sample_once_and_evenly(n, batch, world):
     assert len({len(b) for b in per_rank}) == 1  # same number of micro-batches on every rank
     assert sorted(i for b in batches for i in b) == list(range(n))
     assert all(len(b) > 0 for b in batches)
-    assert [sum(len(b) for b in batches[k * world:(k + 1) * world]) for k in range(len(batches) // world)] == \
-        data.round_sizes(n, batch, world)
+    assert [sum(len(b) for b in batches[k * world:(k + 1) * world]) for k in range(len(batches) // world)] == rounds
     sampler.set_epoch(1)
     assert list(sampler) != batches or n == 1  # a new epoch reshuffles
 

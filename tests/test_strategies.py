@@ -21,12 +21,15 @@ pytestmark = pytest.mark.multiproc
 
 SHIPPED = sorted(p.name for p in (REPO / "accelerate_configs").glob("*.yaml") if p.name != "multinode.yaml")
 BF16 = {"fsdp.yaml", "zero2.yaml", "zero3.yaml", "zero2_offload.yaml", "zero3_offload.yaml"}
-# Parity tolerance on per-step losses vs DDP, fp32. The strategies reduce gradients in a different order
-# (all-reduce vs reduce-scatter + all-gather, flat buffers), so the float32 sums differ in the last bits
-# (measured: 1.2e-7 for ZeRO-2/3, 0 for FSDP); over 8 Adam steps at lr 1e-3 that drift stays far below 1e-4,
-# while a real difference (a missed all-reduce, another dropout stream, a wrong loss scale) moves the losses by 1e-3
-# to 1e-2 from the second step on.
-PARITY_ATOL = 1e-4
+# Parity bounds on per-step losses vs DDP, fp32: what the README claims, with a margin. ZeRO-2/3 reduce gradients
+# in another order (reduce-scatter of flat buffers vs all-reduce of buckets), so the float32 sums differ in the last
+# bits: measured max 1.2e-7 over 8 steps (2 ulp of a loss near 0.7); the bound allows 4x that. FSDP2 without
+# clipping does the same arithmetic as DDP: bit-identical, bound 0. A real difference (a missed all-reduce, another
+# dropout stream, a wrong loss scale) moves the losses by 1e-3 to 1e-2 from the second step on.
+PARITY_ATOL = {"zero2.yaml": 5e-7, "zero3.yaml": 5e-7, "fsdp.yaml": 0.0}
+# Pre-clip gradient norms vs DDP, relative: the same float32 reduction-order noise as the losses. AdamW is nearly
+# blind to a constant factor on the gradient and clipping rescales it, so only the norm shows a wrong scale.
+GRAD_NORM_RTOL = 1e-5
 PARITY_FLAGS = ["--max_train_steps", "8", "--per_device_train_batch_size", "8", "--record_ranks"]
 # FSDP2 is compared without gradient clipping: with clipping on, its losses leave DDP's by ~5e-4 from step 3 even
 # when torch.nn.utils.clip_grad_norm_ is called directly (torch 2.13.0, accelerate 1.15.0, CPU/gloo); without it they
@@ -82,7 +85,10 @@ def test_fp32_losses_match_ddp(ddp_references, tmp_path, config):
     assert len(got) == len(ref) == 8
     delta = max(abs(a - b) for a, b in zip(ref, got))
     print(f"{config}: max |loss - ddp loss| over 8 steps = {delta:.3e}")
-    assert delta < PARITY_ATOL, (ref, got)
+    assert delta <= PARITY_ATOL[config], (ref, got)
+    norms = [[s["grad_norm"] for s in read_jsonl(out / "metrics.jsonl")] for out in (ddp_reference, tmp_path)]
+    print(f"{config}: grad norms {norms[1]} vs ddp {norms[0]}")
+    assert norms[1] == pytest.approx(norms[0], rel=GRAD_NORM_RTOL, abs=0)
     assert read_jsonl(tmp_path / "eval.jsonl")[-1]["accuracy"] == read_jsonl(ddp_reference / "eval.jsonl")[-1]["accuracy"]
     # The same samples in the same order on each rank, whatever the strategy.
     assert [r["sample_ids"] for r in rank_records(tmp_path)] == [r["sample_ids"] for r in rank_records(ddp_reference)]
@@ -90,6 +96,35 @@ def test_fp32_losses_match_ddp(ddp_references, tmp_path, config):
     final_got, _ = load_final(tmp_path)
     for (name, a), b in zip(final_ref.state_dict().items(), final_got.state_dict().values()):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=0, msg=name)
+    if config == "fsdp.yaml":  # bit-equal losses would also come from a silent fall-back to plain DDP
+        assert_sharded(rank_records(tmp_path), rank_records(ddp_reference))
+
+
+def assert_sharded(fsdp_ranks, ddp_ranks):
+    """FSDP2 on 2 ranks holds about half of DDP's parameter and optimizer-state bytes per rank (memstats counts
+    the DTensor's local shard). The parameters are measured after the final evaluation, which leaves the root unit
+    (embeddings, classifier) gathered, so they sit between half and all of DDP's; Adam's moments are all sharded."""
+    for fsdp, ddp in zip(fsdp_ranks, ddp_ranks):
+        ratio = {k: fsdp["memory"][k] / ddp["memory"][k] for k in ("parameters_bytes", "optimizer_state_bytes")}
+        print(f"rank {fsdp['rank']}: FSDP / DDP bytes {ratio}")
+        assert 0.45 < ratio["optimizer_state_bytes"] < 0.55, ratio
+        assert ratio["parameters_bytes"] < 0.8, ratio
+
+
+@pytest.mark.xfail(strict=True, reason="FSDP2 with clipping leaves DDP by ~5e-4 from step 3 (measured on torch "
+                   "2.13.0, accelerate 1.15.0, CPU/gloo), also with torch.nn.utils.clip_grad_norm_ called directly; "
+                   "open finding: this test starts passing (and fails the suite) once it is fixed",
+                   raises=AssertionError)
+def test_fp32_fsdp_with_clipping_matches_ddp(ddp_references, tmp_path):
+    try:
+        run_recipe(tmp_path, *PARITY_FLAGS, config="fsdp.yaml", launch_args=fp32_launch_args("fsdp.yaml", tmp_path))
+    except AssertionError as err:  # a failed launch is an error, not the expected failure
+        raise RuntimeError(str(err)) from None
+    ref, got = losses(ddp_references["clip"]), losses(tmp_path)
+    assert len(got) == len(ref) == 8
+    delta = max(abs(a - b) for a, b in zip(ref, got))
+    print(f"fsdp.yaml with clipping: max |loss - ddp loss| over 8 steps = {delta:.3e}")
+    assert delta <= PARITY_ATOL["zero2.yaml"], (ref, got)
 
 
 def test_multinode_config_runs_as_two_machines(tiny_model, tmp_path):
