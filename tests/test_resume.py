@@ -50,12 +50,25 @@ def assert_continues(ref_dir, resumed_dir, from_step: int, config: str):
 CASES = [("ddp.yaml", 1), ("ddp.yaml", 3), ("zero2.yaml", 3), ("fsdp.yaml", 3)]
 
 
+@pytest.fixture(scope="module")
+def ddp_reference(tiny_model, tmp_path_factory):
+    """The uninterrupted DDP run, accumulation 1, a checkpoint at every step: the resume reference, the killed-rank
+    reference and the source of the refusal test's checkpoint (each test copies what it changes)."""
+    ref = tmp_path_factory.mktemp("ddp_ga1_ref")
+    run_recipe(ref, *BASE, "--gradient_accumulation_steps", "1", *EVERY_STEP)
+    return ref
+
+
 @pytest.mark.parametrize("config,accum", CASES, ids=[f"{c[:-5]}-ga{a}" for c, a in CASES])
-def test_resume_equals_uninterrupted_run(tiny_model, tmp_path, config, accum):
+def test_resume_equals_uninterrupted_run(request, tmp_path, config, accum):
     flags = [*BASE, "--gradient_accumulation_steps", str(accum)]
     launch = fp32_launch_args(config, tmp_path)
-    ref = tmp_path / "ref"
-    run_recipe(ref, *flags, *EVERY_STEP, config=config, launch_args=launch)
+    if (config, accum) == ("ddp.yaml", 1):  # ddp.yaml is fp32 already: the shared reference is this run
+        ref = request.getfixturevalue("ddp_reference")
+    else:
+        request.getfixturevalue("tiny_model")
+        ref = tmp_path / "ref"
+        run_recipe(ref, *flags, *EVERY_STEP, config=config, launch_args=launch)
     assert len(losses(ref)) == 2 * {1: 13, 3: 5}[accum]
     scenarios = SCENARIOS if config == "ddp.yaml" else {k: SCENARIOS[k] for k in ("mid_epoch_0", "twice_in_epoch_1")}
     for name, steps in scenarios.items():
@@ -77,8 +90,9 @@ def test_resume_equals_uninterrupted_run(tiny_model, tmp_path, config, accum):
             assert_continues(ref, again, second, config)
 
 
-def test_resume_refuses_other_world_size_or_accumulation(tiny_model, tmp_path):
-    run_recipe(tmp_path, *BASE, *EVERY_STEP, "--max_train_steps", "2")
+def test_resume_refuses_other_world_size_or_accumulation(ddp_reference, tmp_path):
+    shutil.copytree(ddp_reference / "checkpoints" / "step_2", tmp_path / "checkpoints" / "step_2")
+    (tmp_path / "checkpoints" / "latest").write_text("step_2\n")
     ckpt = str(tmp_path / "checkpoints" / "step_2")
     proc = run_recipe(tmp_path, *BASE, "--resume_from_checkpoint", ckpt, "--gradient_accumulation_steps", "2",
                       config=None, check=False)
@@ -90,10 +104,9 @@ def test_resume_refuses_other_world_size_or_accumulation(tiny_model, tmp_path):
     assert proc.returncode != 0 and "no RNG state for rank 1" in proc.stderr
 
 
-def test_killed_rank_fails_fast_and_resume_finishes_the_job(tiny_model, tmp_path):
+def test_killed_rank_fails_fast_and_resume_finishes_the_job(ddp_reference, tmp_path):
     flags = [*BASE, "--checkpointing_steps", "2"]
-    ref = tmp_path / "ref"
-    run_recipe(ref, *BASE)
+    ref = ddp_reference  # checkpointing changes no number: the same losses and eval as a run without it
     out = tmp_path / "killed"
     started = time.monotonic()
     proc = run_recipe(out, *flags, check=False, env={"CLS_FAULT": "step:5:1"})  # rank 1 SIGKILLed after step 5

@@ -9,15 +9,19 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
+import time
 
 import pytest
 import torch
 
-from helpers import (ACCELERATE, REPO, TINY_FLAGS, fp32_launch_args, free_port, losses, rank_records, read_jsonl,
-                     run_recipe)
+from helpers import (ACCELERATE, REPO, TINY_FLAGS, eval_loader, fp32_launch_args, free_port, kill_group, losses,
+                     no_gpu, rank_records, read_jsonl, run_recipe)
+from recipes import cls
+from recipes.metrics import load_metrics
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, no_gpu]  # CPU rehearsal: gloo, FSDP on CPU, MULTI_CPU expected
 
 SHIPPED = sorted(p.name for p in (REPO / "accelerate_configs").glob("*.yaml") if p.name != "multinode.yaml")
 BF16 = {"fsdp.yaml", "zero2.yaml", "zero3.yaml", "zero2_offload.yaml", "zero3_offload.yaml"}
@@ -40,7 +44,9 @@ NO_CLIP = ["--max_grad_norm", "1e9"]
 def load_final(out):
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(out / "final")
+    model, info = AutoModelForSequenceClassification.from_pretrained(out / "final", output_loading_info=True)
+    # A final/ saved from a sharded model without its full state dict loads with freshly initialised weights.
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     sizes = [p.numel() for p in model.state_dict().values()]
     return model, sizes
 
@@ -56,6 +62,19 @@ def test_shipped_config_trains_to_completion(tiny_model, tmp_path, config):
     assert read_jsonl(tmp_path / "eval.jsonl")[-1]["n_examples"] == 101
     model, sizes = load_final(tmp_path)
     assert min(sizes) > 0 and model.num_labels == 2
+    assert all(math.isfinite(loss) for loss in losses(tmp_path))
+    # final/ re-evaluated in one process, fp32, gives the run's last eval: exactly for the fp32 configs; the bf16
+    # ones evaluated in bf16, which may flip a prediction near the boundary: at most 2 of the 101 examples.
+    from accelerate import Accelerator
+    from transformers import AutoTokenizer
+
+    final = tmp_path / "final"
+    cfg = cls.parse_config(["--model_name_or_path", str(final), *TINY_FLAGS[2:]])
+    eval_dl, _ = eval_loader(cfg, AutoTokenizer.from_pretrained(final))
+    single = cls.evaluate(model, eval_dl, Accelerator(cpu=True), load_metrics())
+    reported = read_jsonl(tmp_path / "eval.jsonl")[-1]
+    assert single["n_examples"] == reported["n_examples"] == 101
+    assert abs(single["accuracy"] - reported["accuracy"]) <= (2 / 101 if config in BF16 else 0), (single, reported)
     dtypes = rank_records(tmp_path)[0]["dtypes"]
     assert dtypes["master_params"] == ["torch.float32"] and dtypes["optimizer_state"] == ["torch.float32"]
     if config in BF16:
@@ -130,14 +149,26 @@ def test_fp32_fsdp_with_clipping_matches_ddp(ddp_references, tmp_path):
 def test_multinode_config_runs_as_two_machines(tiny_model, tmp_path):
     """Two launches of multinode.yaml on this host, machine ranks 0 and 1, one process each, gloo over loopback."""
     port = str(free_port())
-    procs = []
-    for rank in (0, 1):
-        cmd = [ACCELERATE, "launch", "--config_file", "accelerate_configs/multinode.yaml", "--machine_rank",
-               str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", port, "recipes/cls.py",
-               *TINY_FLAGS, "--max_train_steps", "4", "--record_ranks", "--output_dir", str(tmp_path)]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    procs, logs = [], [tmp_path / f"machine{rank}.log" for rank in (0, 1)]
+    try:
+        for rank in (0, 1):
+            cmd = [ACCELERATE, "launch", "--config_file", "accelerate_configs/multinode.yaml", "--machine_rank",
+                   str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", port, "recipes/cls.py",
+                   *TINY_FLAGS, "--max_train_steps", "4", "--record_ranks", "--output_dir", str(tmp_path / "run")]
+            # Output to files, not pipes: waiting on one machine while the other fills its pipe would deadlock.
+            with open(logs[rank], "w") as log:
+                procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+        deadline = time.monotonic() + 600
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill_group(proc)
+    outputs = [log.read_text() for log in logs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    tmp_path = tmp_path / "run"
     resolved = json.loads((tmp_path / "run_config.json").read_text())
     assert resolved["world_size"] == 2 and resolved["distributed_type"] == "MULTI_CPU"
     ranks = rank_records(tmp_path)
