@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 from recipes.records import read_jsonl
 from scripts.bench import free_port
@@ -19,8 +23,10 @@ TINY_FLAGS = ["--model_name_or_path", str(TINY), "--max_train_samples", "256", "
               "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "16",
               "--learning_rate", "1e-3", "--ddp_timeout", "120"]
 
-__all__ = ["ACCELERATE", "PYTHON", "REPO", "TINY", "TINY_FLAGS", "eval_loader", "fp32_launch_args", "free_port", "losses",
-           "rank_records", "read_jsonl", "run_recipe"]
+__all__ = ["ACCELERATE", "PYTHON", "REPO", "TINY", "TINY_FLAGS", "eval_loader", "fp32_launch_args", "free_port",
+           "kill_group", "losses", "no_gpu", "rank_records", "read_jsonl", "run_in_own_group", "run_recipe"]
+# For tests whose expectations hold only without GPUs (the CPU rehearsal of FSDP, gloo, the DataParallel fall-back).
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="expects a machine without GPUs (CPU rehearsal)")
 
 
 def run_recipe(output_dir: Path, *flags: str, config: str | None = "ddp.yaml", launch_args=(), timeout=600,
@@ -32,11 +38,32 @@ def run_recipe(output_dir: Path, *flags: str, config: str | None = "ddp.yaml", l
         cmd = [ACCELERATE, "launch", "--config_file", f"accelerate_configs/{config}",
                "--main_process_port", str(free_port()), *launch_args, "recipes/cls.py"]
     cmd += [*TINY_FLAGS, "--output_dir", str(output_dir), *flags]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    proc = run_in_own_group(cmd, timeout, env={**os.environ, **(env or {})})
     if check and proc.returncode != 0:
         raise AssertionError(f"recipe failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def run_in_own_group(cmd, timeout: float, env=None) -> subprocess.CompletedProcess:
+    """subprocess.run in a new session: on timeout the whole process group (launcher and every rank) is killed,
+    not only the launcher, so no orphaned rank keeps its port and its cores after a failed test."""
+    with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group that `proc` leads (started with start_new_session=True) and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def losses(output_dir: Path) -> list[float]:
@@ -44,7 +71,12 @@ def losses(output_dir: Path) -> list[float]:
 
 
 def rank_records(output_dir: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted((output_dir / "ranks").glob("rank*.json"))]
+    """Every rank's record, ranks 0..world-1 of the run's run_config.json: missing or extra records fail here, so
+    a comparison over them never compares nothing."""
+    world = json.loads((Path(output_dir) / "run_config.json").read_text())["world_size"]
+    records = [json.loads(p.read_text()) for p in sorted((Path(output_dir) / "ranks").glob("rank*.json"))]
+    assert [r["rank"] for r in records] == list(range(world)), f"rank records of {output_dir}: expected {world}"
+    return records
 
 
 def fp32_launch_args(config: str, tmp_path: Path) -> list[str]:

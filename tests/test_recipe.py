@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from helpers import eval_loader, losses, rank_records, read_jsonl, run_recipe
-from recipes import cls, data
+from helpers import eval_loader, losses, no_gpu, rank_records, read_jsonl, run_recipe
+from recipes import RecipeError, cls, data
 from recipes.metrics import compute_metrics, load_metrics
 
 N_TRAIN, N_EVAL = 256, 101
@@ -24,6 +24,7 @@ def ddp_run(tiny_model, tmp_path_factory):
 
 
 @pytest.mark.multiproc
+@no_gpu  # expects MULTI_CPU over gloo
 def test_ddp_ranks_are_synchronised(ddp_run):
     ranks = rank_records(ddp_run)
     assert [r["rank"] for r in ranks] == [0, 1]
@@ -49,6 +50,7 @@ def test_eval_counts_every_example_once_and_loss_decreases(ddp_run):
 
 
 @pytest.mark.multiproc
+@no_gpu  # expects MULTI_CPU
 def test_run_records_follow_the_contract(ddp_run):
     resolved = json.loads((ddp_run / "run_config.json").read_text())
     assert resolved["world_size"] == 2 and resolved["distributed_type"] == "MULTI_CPU"
@@ -79,6 +81,7 @@ def test_final_model_reloads_and_reproduces_accuracy(ddp_run):
     assert result["accuracy"] == reported["accuracy"] and result["f1"] == pytest.approx(reported["f1"], abs=1e-12)
 
 
+@no_gpu
 def test_data_parallel_falls_back_to_one_device_on_cpu(tiny_model, tmp_path):
     proc = run_recipe(tmp_path, "--data_parallel", "--max_train_steps", "3", config=None)
     assert "falling back to one device" in proc.stdout
@@ -120,14 +123,27 @@ BAD_INPUTS = {
 }
 
 
-@pytest.mark.parametrize("case", BAD_INPUTS)
-def test_bad_input_fails_with_one_clear_line(tiny_model, tmp_path, case):
-    make_flags, message = BAD_INPUTS[case]
+def test_bad_input_fails_with_one_clear_line(tiny_model, tmp_path):
+    """The command line: exit status 2 and one `error: ` line (the other cases run in-process, below)."""
+    make_flags, message = BAD_INPUTS["unknown flag"]
     out = tmp_path / "run"
     proc = run_recipe(out, *make_flags(tmp_path), config=None, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and message in last, last
+    assert not (out / "final").exists() and not (out / "final.tmp").exists()
+
+
+@pytest.mark.parametrize("case", [c for c in BAD_INPUTS if c != "unknown flag"])
+def test_bad_input_raises_recipe_error_before_writing(tiny_model, tmp_path, case):
+    """In-process, the recipe's own main(): the RecipeError that __main__ prints as the one line, and no final/."""
+    from helpers import TINY_FLAGS
+
+    make_flags, message = BAD_INPUTS[case]
+    out = tmp_path / "run"
+    with pytest.raises(RecipeError, match=message) as caught:
+        cls.main(cls.parse_config([*TINY_FLAGS, "--output_dir", str(out), *make_flags(tmp_path)]))
+    assert "\n" not in str(caught.value)
     assert not (out / "final").exists() and not (out / "final.tmp").exists()
 
 
@@ -137,9 +153,12 @@ def test_missing_launch_config_is_refused(tmp_path):
     assert "no_such_strategy.yaml" in proc.stderr and not (tmp_path / "final").exists()
 
 
-@pytest.mark.parametrize("n,batch,world", [(256, 16, 2), (101, 16, 2), (33, 16, 2), (3, 16, 2), (65, 32, 2),
-                                           (17, 4, 3), (1, 8, 1)])
-def test_even_shard_sampler_deals_every_sample_once_and_evenly(n, batch, world):
+# Samples per round, counted by hand: full rounds of batch x world, then the remainder as one round, or folded
+# into the last round when smaller than the world size (33 = 32 + 1, 65 = 64 + 1).
+@pytest.mark.parametrize("n,batch,world,rounds", [(256, 16, 2, [32] * 8), (101, 16, 2, [32, 32, 32, 5]),
+                                                  (33, 16, 2, [33]), (3, 16, 2, [3]), (65, 32, 2, [65]),
+                                                  (17, 4, 3, [12, 5]), (1, 8, 1, [1])])
+def test_even_shard_sampler_deals_every_sample_once_and_evenly(n, batch, world, rounds):
     sampler = data.EvenShardBatchSampler(n, batch, world, seed=0)
     batches = list(sampler)
     assert len(batches) == len(sampler) and len(batches) % world == 0
@@ -147,8 +166,7 @@ def test_even_shard_sampler_deals_every_sample_once_and_evenly(n, batch, world):
     assert len({len(b) for b in per_rank}) == 1  # same number of micro-batches on every rank
     assert sorted(i for b in batches for i in b) == list(range(n))
     assert all(len(b) > 0 for b in batches)
-    assert [sum(len(b) for b in batches[k * world:(k + 1) * world]) for k in range(len(batches) // world)] == \
-        data.round_sizes(n, batch, world)
+    assert [sum(len(b) for b in batches[k * world:(k + 1) * world]) for k in range(len(batches) // world)] == rounds
     sampler.set_epoch(1)
     assert list(sampler) != batches or n == 1  # a new epoch reshuffles
 
