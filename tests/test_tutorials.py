@@ -132,6 +132,7 @@ def test_fp16_on_cpu_is_refused_or_inert():
 
     from accelerate.state import AcceleratorState
 
+    AcceleratorState._reset_state(reset_partial_state=True)  # other in-process tests leave an fp32 state behind
     try:
         accelerator = Accelerator(cpu=True, mixed_precision="fp16")
         model = accelerator.prepare(torch.nn.Linear(4, 4))
