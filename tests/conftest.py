@@ -1,7 +1,9 @@
-"""Fixtures: the offline tiny model, built once per session. The helpers tests share are in helpers.py."""
+"""Fixtures: the offline tiny model and its dropout-free copy, built once per session. The helpers tests share are in helpers.py."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -23,3 +25,16 @@ def tiny_model():
     if not (TINY / "model.safetensors").exists():
         subprocess.run([PYTHON, "scripts/build_offline_model.py", "--output_dir", str(TINY)], cwd=REPO, check=True)
     return TINY
+
+
+@pytest.fixture(scope="session")
+def no_dropout_model(tiny_model, tmp_path_factory):
+    """The tiny model without dropout: runs with other micro-batch shapes or world sizes then do the same
+    arithmetic, so their losses can be compared step by step."""
+    path = tmp_path_factory.mktemp("no_dropout")
+    for f in tiny_model.iterdir():
+        shutil.copy(f, path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    (path / "config.json").write_text(json.dumps(config))
+    return path

@@ -48,14 +48,8 @@ def ga(n: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def no_dropout(tiny_model, tmp_path_factory):
-    path = tmp_path_factory.mktemp("no_dropout_model")
-    for f in tiny_model.iterdir():
-        shutil.copy(f, path)
-    config = json.loads((path / "config.json").read_text())
-    config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    (path / "config.json").write_text(json.dumps(config))
-    return ["--model_name_or_path", str(path)]
+def no_dropout(no_dropout_model):
+    return ["--model_name_or_path", str(no_dropout_model)]
 
 
 @pytest.fixture(scope="module")

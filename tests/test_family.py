@@ -80,17 +80,6 @@ def family_data(tmp_path_factory):
     return files
 
 
-@pytest.fixture(scope="module")
-def no_dropout_model(tiny_model, tmp_path_factory):
-    path = tmp_path_factory.mktemp("no_dropout")
-    for f in tiny_model.iterdir():
-        shutil.copy(f, path)
-    config = json.loads((path / "config.json").read_text())
-    config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    (path / "config.json").write_text(json.dumps(config))
-    return path
-
-
 def _flags(files, model, kind):
     extra = ["--text_pair_column", "text_pair"] if kind == "pairs" else []
     return ["--model_name_or_path", str(model), "--train_file", files["train"], "--validation_file",

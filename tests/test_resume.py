@@ -131,18 +131,6 @@ def test_killed_rank_fails_fast_and_resume_finishes_the_job(ddp_reference, tmp_p
 # tests/test_strength.py, in one launch; final/ re-evaluated in one process is in test_strategies.py.
 
 
-@pytest.fixture(scope="module")
-def no_dropout_model(tiny_model, tmp_path_factory):
-    """The tiny model without dropout: runs with other micro-batch shapes then do the same arithmetic."""
-    path = tmp_path_factory.mktemp("no_dropout")
-    for f in tiny_model.iterdir():
-        shutil.copy(f, path)
-    config = json.loads((path / "config.json").read_text())
-    config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    (path / "config.json").write_text(json.dumps(config))
-    return path
-
-
 # Accumulation equivalence tolerance: the same 64 (or, at the end, 8) samples per step, summed in another order
 # (4 micro-batches of 8 vs 1 of 32) and padded to other lengths: float32 noise of ~1e-7 per step, through 4 Adam steps.
 ACCUM_ATOL = 1e-5
