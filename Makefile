@@ -32,7 +32,7 @@ pairs: offline-model
 		--model_name_or_path $(OFFLINE) --learning_rate 1e-3 --output_dir $(or $(OUT_PAIRS),runs/pairs)
 
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -rs tests  # -rs: every skip prints its reason
 
 bench: offline-model
 	$(PY) scripts/bench.py --profile $(or $(BENCH),quick)

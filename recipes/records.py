@@ -93,7 +93,7 @@ class StepLog:
         if not self.pending:
             return
         values = torch.stack([v for _, v in self.pending]).tolist()
-        for (info, (loss_total, tokens, grad_norm)) in zip([i for i, _ in self.pending], values):
+        for (info, _), (loss_total, tokens, grad_norm) in zip(self.pending, values):
             record = {**info, "loss": loss_total / info["samples"], "tokens": int(tokens), "grad_norm": grad_norm}
             self.accelerator.log({"train/loss": record["loss"], "train/lr": info["lr"],
                                   "train/grad_norm": grad_norm}, step=info["step"])

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from recipes.launch_checks import visible_gpus
 from recipes.records import library_versions, read_jsonl
 from scripts import memory_model
 from scripts.bench_report import MIB, ratio_lines, ratios, rerender, throughput, update_readme, write_results
@@ -105,12 +106,6 @@ class Run:
     model_flops_per_s: Optional[float] = None  # 6 x parameters x real tokens/s, plus attention
     mfu: Optional[float] = None  # model FLOP/s over the device's peak (GPU table, or the CPU's measured matmul peak)
     env: dict = field(default_factory=dict)  # variables this run adds to the shared environment
-
-
-def visible_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count()
 
 
 def free_port() -> int:

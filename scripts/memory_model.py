@@ -108,6 +108,12 @@ def shape_from_model(name_or_path: str, num_labels: int = 2) -> ModelShape:
                       hidden_size=getattr(config, "hidden_size", 0), num_layers=getattr(config, "num_hidden_layers", 0))
 
 
+def reduce_buckets(zero: dict, bucket_bytes: int) -> Part:
+    """ZeRO-1/2's gradient reduce buckets around the step: two with overlap_comm (one fills while one reduces)."""
+    n_buckets = 2 if zero.get("overlap_comm", False) else 1
+    return Part("buffers", f"{n_buckets} reduce bucket(s)", n_buckets * bucket_bytes, resident=False)
+
+
 def load_ds_config(strategy: str) -> dict:
     return json.loads((REPO_ROOT / "ds_configs" / f"{strategy}.json").read_text())
 
@@ -157,9 +163,7 @@ def predict(strategy: str, shape: ModelShape, world: int, precision: str, optimi
         parts.append(Part("gradients", f"{precision} gradients, whole", b * P, resident=False))
         if b != 4:
             parts.append(Part("gradients", "fp32 copy of the gradient partition", 4 * shard, resident=False))
-        n_buckets = 2 if zero.get("overlap_comm", False) else 1
-        parts.append(Part("buffers", f"{n_buckets} reduce bucket(s)", n_buckets * bucket, resident=False))
-        return parts
+        return parts + [reduce_buckets(zero, bucket)]
     if zero["stage"] == 2:
         parts.append(Part("parameters", f"{precision} parameters, whole", b * P))
         if opt_where == "host":
@@ -172,9 +176,7 @@ def predict(strategy: str, shape: ModelShape, world: int, precision: str, optimi
             parts.append(Part("gradients", f"{precision} gradient partition", b * shard, resident=False))
             if b != 4:
                 parts.append(Part("gradients", "fp32 copy of the gradient partition", 4 * shard, resident=False))
-        n_buckets = 2 if zero.get("overlap_comm", False) else 1
-        parts.append(Part("buffers", f"{n_buckets} reduce bucket(s)", n_buckets * bucket, resident=False))
-        return parts
+        return parts + [reduce_buckets(zero, bucket)]
     if zero["stage"] != 3:
         raise ValueError(f"ZeRO stage {zero['stage']} is not modelled")
     persistent = shape.persistent(size("stage3_param_persistence_threshold", 1e5, 10 * hidden))
