@@ -2,8 +2,9 @@
 
 A checkpoint is `checkpoints/step_N/` (Accelerate's `save_state`: model, optimizer, scheduler, every rank's RNG
 states; DeepSpeed and FSDP shards from every rank) plus `trainer_state.json`: the step, the position in the data as
-samples consumed in the epoch, and the batch layout (per-device batch, world size, accumulation) it was written
-with. The file `checkpoints/latest` names the newest complete one. Resuming on another world size is in elastic.py.
+samples consumed in the epoch, the batch layout (per-device batch, world size, accumulation) it was written with,
+and its length grouping (the resumed epoch keeps that order, whatever this run's --group_by_length). The file
+`checkpoints/latest` names the newest complete one. Resuming on another world size is in elastic.py.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class ResumePoint:
     samples_in_epoch: int = 0  # samples of `epoch` the checkpoint had consumed (on all ranks together)
     path: Optional[Path] = None  # the checkpoint folder; None for a fresh start
     saved_world: int = 1  # the number of processes that wrote it
+    length_group: int = 0  # its --group_by_length group (global batch) that ordered the epoch; 0: a plain permutation
 
 
 def check_shared_output_dir(accelerator, out: Path) -> None:
@@ -123,7 +125,7 @@ def find_checkpoint(cfg, world_size: int) -> ResumePoint:
         if not (path / f"random_states_{rank}.pkl").is_file():
             raise RecipeError(f"checkpoint {path} has no RNG state for rank {rank} (random_states_{rank}.pkl)")
     return ResumePoint(step=state["step"], epoch=state["epoch"], samples_in_epoch=state["samples_in_epoch"],
-                       path=path, saved_world=state["world_size"])
+                       path=path, saved_world=state["world_size"], length_group=state.get("length_group", 0))
 
 
 def load_checkpoint(accelerator, optimizer, start: ResumePoint, seed: int) -> None:

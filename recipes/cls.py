@@ -66,6 +66,7 @@ class Config:
     warmup_ratio: float = field(default=0.06, metadata={"help": "fraction of steps of linear warm-up"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm"})
     pad_to_max_length: bool = field(default=False, metadata={"help": "pad every batch to max_length (not dynamic)"})
+    group_by_length: bool = field(default=False, metadata={"help": "batches of similar lengths: less padding"})
     eval_steps: Optional[int] = field(default=None, metadata={"help": "also evaluate every N optimizer steps"})
     data_parallel: bool = field(default=False, metadata={
         "help": "wrap in nn.DataParallel over visible GPUs (precision: ACCELERATE_MIXED_PRECISION=bf16|fp16|no)"})
@@ -196,7 +197,8 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
                     {"epoch": epoch, "samples_in_epoch": loaders.sampler.samples_done(micro + 1)}
                 checkpoint.save_checkpoint(accelerator, out, {
                     "step": step, **position, "world_size": world, "gradient_accumulation_steps": accum,
-                    "per_device_train_batch_size": cfg.per_device_train_batch_size, "seed": cfg.seed}, probe)
+                    "per_device_train_batch_size": cfg.per_device_train_batch_size, "seed": cfg.seed,
+                    "length_group": loaders.sampler.group_size}, probe)
             if step == plan.total_steps:
                 break
     log.flush()

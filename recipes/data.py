@@ -292,6 +292,28 @@ def round_sizes(n: int, batch_size: int, world_size: int) -> list[int]:
     return sizes
 
 
+MEGABATCH_GROUPS = 50  # length groups per megabatch: sorted by length together, then cut into groups
+
+
+def length_grouped_order(lengths: list[int], group_size: int, generator: torch.Generator) -> list[int]:
+    """A permutation of range(len(lengths)) made of groups of `group_size` samples of similar lengths, in random order.
+
+    A random permutation is cut into megabatches of MEGABATCH_GROUPS groups; each megabatch is sorted longest first
+    (ties keep their random order) and cut into groups; the full groups are then shuffled, so that long and short
+    ones alternate. The partial group (n % group_size samples) stays last: group k of the epoch starts at sample
+    k * group_size, so with group_size the global batch, an optimizer step covers the same samples on any world size.
+    """
+    n = len(lengths)
+    perm = torch.randperm(n, generator=generator).tolist()
+    span = MEGABATCH_GROUPS * group_size
+    ordered = []
+    for start in range(0, n, span):
+        ordered += sorted(perm[start : start + span], key=lambda i: -lengths[i])
+    full = n - n % group_size
+    groups = torch.randperm(full // group_size, generator=generator).tolist()
+    return [i for g in groups for i in ordered[g * group_size : (g + 1) * group_size]] + ordered[full:]
+
+
 class EvenShardBatchSampler(torch.utils.data.Sampler):
     """Yields the batches of all ranks, round by round; `accelerator.prepare` deals batch i to rank i % world.
 
@@ -299,24 +321,37 @@ class EvenShardBatchSampler(torch.utils.data.Sampler):
     samples from the start of the epoch, so some samples are trained twice and a partial accumulation window does
     not hold the samples a larger batch would; with `even_batches=False` ranks can get different numbers of batches
     and hang in the gradient all-reduce. Here every rank gets the same number of batches, every sample appears once
-    per epoch, and the order depends only on (seed, epoch).
+    per epoch, and the order depends only on (seed, epoch) and the length grouping.
+
+    With `lengths` and a `group_size` (--group_by_length: the global batch of an optimizer step), each epoch's order
+    is `length_grouped_order`'s: the samples of a step, hence of a micro-batch, have similar lengths.
 
     A resumed run starts its first epoch at a sample position (`resume_at`), not at a micro-batch count: the rest of
     that epoch's order is dealt in this run's rounds, so a checkpoint continues on another world size or batch.
     """
 
-    def __init__(self, n: int, batch_size: int, world_size: int, seed: int, shuffle: bool = True):
+    def __init__(self, n: int, batch_size: int, world_size: int, seed: int, shuffle: bool = True,
+                 lengths: Optional[list] = None, group_size: int = 0):
         # No `batch_size` attribute: Accelerate would then treat the batches as fixed-size and pad the last ones.
         self.n, self.per_rank, self.world_size, self.seed, self.shuffle = n, batch_size, world_size, seed, shuffle
+        if (group_size or lengths is not None) and (lengths is None or len(lengths) != n):
+            raise RecipeError(f"length grouping needs the lengths of the {n} samples")
+        self.lengths, self.group_size = lengths, group_size
         self.full_sizes = round_sizes(n, batch_size, world_size)
-        self.resume_epoch, self.resume_samples = None, 0
+        self.resume_epoch, self.resume_samples, self.resume_group_size = None, 0, group_size
         self.set_epoch(0)
 
-    def resume_at(self, epoch: int, samples: int) -> None:
-        """Epoch `epoch` starts after its first `samples` samples (the ones the checkpoint consumed)."""
+    def resume_at(self, epoch: int, samples: int, group_size: Optional[int] = None) -> None:
+        """Epoch `epoch` starts after its first `samples` samples (the ones the checkpoint consumed); when it started,
+        its order is the one of `group_size`, the length grouping of the run that wrote the checkpoint (default, and
+        at an epoch's start: this run's)."""
         if not 0 <= samples < self.n:
             raise RecipeError(f"the checkpoint consumed {samples} samples of an epoch of {self.n}: other data?")
-        self.resume_epoch, self.resume_samples = epoch, samples
+        if group_size is None or samples == 0:
+            group_size = self.group_size
+        if group_size and self.lengths is None:
+            raise RecipeError("the checkpoint was written with --group_by_length: its epoch order needs the lengths")
+        self.resume_epoch, self.resume_samples, self.resume_group_size = epoch, samples, group_size
         self.set_epoch(self.epoch)
 
     def set_epoch(self, epoch: int) -> None:
@@ -336,12 +371,18 @@ class EvenShardBatchSampler(torch.utils.data.Sampler):
     def __len__(self) -> int:
         return len(self.sizes) * self.world_size
 
+    def order(self) -> list[int]:
+        """The current epoch's whole sample order (a resumed epoch's in the grouping of the run that wrote it)."""
+        if not self.shuffle:
+            return list(range(self.n))
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        group_size = self.resume_group_size if self.epoch == self.resume_epoch else self.group_size
+        if group_size:
+            return length_grouped_order(self.lengths, group_size, g)
+        return torch.randperm(self.n, generator=g).tolist()
+
     def __iter__(self):
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.n, generator=g).tolist()
-        else:
-            order = list(range(self.n))
+        order = self.order()
         start = self.start
         for size in self.sizes:
             chunk = order[start : start + size]
@@ -352,6 +393,20 @@ class EvenShardBatchSampler(torch.utils.data.Sampler):
                 take = per_rank + (1 if rank < extra else 0)
                 yield chunk[offset : offset + take]
                 offset += take
+
+
+def token_lengths(ds) -> list[int]:
+    """The token count of every example (text and pair together), read as one column."""
+    return [len(ids) for ids in ds["input_ids"][:]]  # a list: iterating the lazy Column reads row by row
+
+
+def longest_first(ds, cfg) -> Optional[list[int]]:
+    """With --group_by_length, the evaluation/prediction order: indices by length, longest first (ties in input
+    order), so that each batch pads little; None (input order) without it."""
+    if not cfg.group_by_length:
+        return None
+    lengths = token_lengths(ds)
+    return sorted(range(len(ds)), key=lambda i: -lengths[i])
 
 
 def window_samples(sizes: list[int], accum: int) -> list[int]:
@@ -404,20 +459,30 @@ class Loaders:
 
 
 def build_loaders(cfg, train_ds, eval_ds, tokenizer, world_size: int, resume=None, device_type: str = "cpu") -> Loaders:
-    """The loaders and step plan; `resume` (a checkpoint.ResumePoint) starts the data at its sample position."""
+    """The loaders and step plan; `resume` (a checkpoint.ResumePoint) starts the data at its sample position.
+
+    --group_by_length groups the training order by the global batch of an optimizer step (EvenShardBatchSampler)
+    and sorts the evaluation batches longest first.
+    """
     collate = Collator(tokenizer, cfg.max_length, cfg.pad_to_max_length)
     # On GPUs: batches collated by worker processes ahead of the step, in pinned memory so that the copy to the
     # device does not block (Accelerator(dataloader_config=non_blocking)). On CPU the main process collates: there
     # is no copy to hide, and worker processes would take cores from the training threads.
     workers = dict(pin_memory=True, num_workers=2, persistent_workers=True) if device_type == "cuda" else {}
-    sampler = EvenShardBatchSampler(len(train_ds), cfg.per_device_train_batch_size, world_size, cfg.seed)
-    if resume is not None and resume.path:
-        sampler.resume_at(resume.epoch, resume.samples_in_epoch)
+    resumed = resume is not None and resume.path
+    step_samples = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world_size
+    group = step_samples if cfg.group_by_length else 0
+    lengths = token_lengths(train_ds) if group or (resumed and resume.length_group) else None
+    sampler = EvenShardBatchSampler(len(train_ds), cfg.per_device_train_batch_size, world_size, cfg.seed,
+                                    lengths=lengths, group_size=group)
+    if resumed:
+        sampler.resume_at(resume.epoch, resume.samples_in_epoch, resume.length_group)
     # Own generators: otherwise each new iterator draws its seed from the global RNG and shifts the dropout stream,
     # so a resumed run (which creates its first iterator later) would no longer match the uninterrupted one.
     train_dl = torch.utils.data.DataLoader(train_ds, batch_sampler=sampler, collate_fn=collate,
                                            generator=torch.Generator().manual_seed(cfg.seed), **workers)
     eval_dl = torch.utils.data.DataLoader(eval_ds, batch_size=cfg.per_device_eval_batch_size, collate_fn=collate,
+                                          sampler=longest_first(eval_ds, cfg),
                                           generator=torch.Generator().manual_seed(cfg.seed), **workers)
     plan = StepPlan.of(sampler, cfg.gradient_accumulation_steps, cfg.num_train_epochs, cfg.max_train_steps,
                        resume.step if resume is not None else 0)

@@ -45,6 +45,9 @@ def flag_problems(cfg) -> list[str]:
         problems.append(f"unknown --truncation '{cfg.truncation}' (one of {', '.join(TRUNCATIONS)})")
     if not 0 < cfg.multi_label_threshold < 1:
         problems.append(f"--multi_label_threshold {cfg.multi_label_threshold} must be between 0 and 1")
+    if cfg.group_by_length and cfg.pad_to_max_length:
+        problems.append("--group_by_length saves nothing with --pad_to_max_length (every batch is --max_length long): "
+                        "drop one")
     if cfg.predict_file and not Path(cfg.predict_file).is_file():
         problems.append(f"predict file not found: {cfg.predict_file}")
     return problems

@@ -1,9 +1,9 @@
 """Predictions after training: predictions.jsonl, every input row exactly once and in input order, on any world size.
 
-The rows go through a plain sequential DataLoader prepared by Accelerate: rank r gets batches r, r + world, ...,
-and `gather_for_metrics` concatenates one batch per rank per call (so consecutive batches, in order) and drops the
-samples Accelerate repeats to complete the last round. The row index travels with each example and is written
-from the gathered tensor, so the order is checked, not assumed.
+The rows go through a DataLoader prepared by Accelerate (in input order, or longest first with --group_by_length):
+rank r gets batches r, r + world, ..., and `gather_for_metrics` concatenates one batch per rank per call and drops
+the samples Accelerate repeats to complete the last round. The row index travels with each example, the gathered
+rows are put back in input order by it and each line is written from it: the order is restored, not assumed.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ def write_predictions(cfg, accelerator, model, predict_ds, tokenizer, names: lis
     "label" (the row's own label when it has one)}.
     """
     loader = torch.utils.data.DataLoader(predict_ds, batch_size=cfg.per_device_eval_batch_size,
+                                         sampler=data.longest_first(predict_ds, cfg),
                                          collate_fn=data.Collator(tokenizer, cfg.max_length, cfg.pad_to_max_length))
     loader = accelerator.prepare(loader)
     model.eval()
@@ -37,6 +38,8 @@ def write_predictions(cfg, accelerator, model, predict_ds, tokenizer, names: lis
         labels_all.append(labels.cpu())
     model.train()
     rows, logits, labels = torch.cat(rows), torch.cat(logits_all), torch.cat(labels_all)
+    order = rows.argsort()  # input order: the rows came longest first with --group_by_length
+    rows, logits, labels = rows[order], logits[order], labels[order]
     has_label = problem.scored(cfg.problem_type, labels)
     if accelerator.is_main_process:
         tmp = path.with_suffix(".jsonl.tmp")

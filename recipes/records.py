@@ -68,19 +68,21 @@ def tracker_config(config: dict) -> dict:
 class StepLog:
     """The per-step training records (metrics.jsonl, TensorBoard, the progress bar), read from the device in blocks.
 
-    A micro-batch adds its loss sum and token count to a tensor on the device; the step's end reduces it over the
-    ranks (one collective, which on GPUs the host does not wait for) and keeps the result on the device. Only
-    `flush`, every `every` steps and before an evaluation, a checkpoint or the end, copies the kept steps to the host
-    in one `.tolist()`: the loop itself never makes the CPU wait for the GPU.
+    A micro-batch adds its loss sum, token count and padded token count (batch x padded length: the positions the
+    model computes) to a tensor on the device; the step's end reduces it over the ranks (one collective, which on
+    GPUs the host does not wait for) and keeps the result on the device. Only `flush`, every `every` steps and before
+    an evaluation, a checkpoint or the end, copies the kept steps to the host in one `.tolist()`: the loop itself
+    never makes the CPU wait for the GPU.
     """
 
     def __init__(self, accelerator, path: Path, every: int, progress):
         self.accelerator, self.path, self.every, self.progress = accelerator, path, max(1, every), progress
-        self.window = torch.zeros(2, device=accelerator.device)  # this rank's loss sum and non-pad tokens
+        self.window = torch.zeros(3, device=accelerator.device)  # this rank's loss sum, non-pad and padded tokens
         self.pending: list[tuple[dict, torch.Tensor]] = []
 
     def add(self, loss_sum: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        self.window += torch.stack([loss_sum.detach().float(), attention_mask.sum().float()])
+        padded = torch.full((), attention_mask.numel(), dtype=torch.float32, device=self.window.device)  # no copy
+        self.window += torch.stack([loss_sum.detach().float(), attention_mask.sum().float(), padded])
 
     def end_step(self, info: dict, grad_norm: torch.Tensor) -> None:
         """`info` holds step, epoch, lr, samples (of the step on all ranks) and elapsed seconds."""
@@ -94,8 +96,9 @@ class StepLog:
         if not self.pending:
             return
         values = torch.stack([v for _, v in self.pending]).tolist()
-        for (info, _), (loss_total, tokens, grad_norm) in zip(self.pending, values):
-            record = {**info, "loss": loss_total / info["samples"], "tokens": int(tokens), "grad_norm": grad_norm}
+        for (info, _), (loss_total, tokens, padded, grad_norm) in zip(self.pending, values):
+            record = {**info, "loss": loss_total / info["samples"], "tokens": int(tokens), "padded_tokens": int(padded),
+                      "grad_norm": grad_norm}
             self.accelerator.log({"train/loss": record["loss"], "train/lr": info["lr"],
                                   "train/grad_norm": grad_norm}, step=info["step"])
             if self.accelerator.is_main_process:

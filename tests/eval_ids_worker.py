@@ -2,6 +2,7 @@
 
 Runs the recipe's own `evaluate` on eval sets whose labels are the example indices 0..n-1, and records the
 references that `evaluate` handed to the metrics: after gathering over the ranks they must be every index once.
+Each set is evaluated in input order (key "N") and with --group_by_length's longest-first batches (key "N:grouped").
 Usage: eval_ids_worker.py MODEL_DIR OUT_DIR N [N ...]; rank 0 writes OUT_DIR/eval_ids.json.
 """
 from __future__ import annotations
@@ -36,11 +37,14 @@ def main(model_dir: str, out: str, sizes: list[int]) -> None:
         with accelerator.main_process_first():
             train_ds, eval_ds, _ = data.prepare_datasets(cfg, tokenizer)
             eval_ds = eval_ds.map(lambda row, i: {"labels": i}, with_indices=True)
-        eval_dl = accelerator.prepare(data.build_loaders(cfg, train_ds, eval_ds, tokenizer,
-                                                         accelerator.num_processes).eval)
-        seen.clear()
-        result = cls.evaluate(model, eval_dl, accelerator, metrics)
-        found[n] = {"ids": seen[0], "n_examples": result["n_examples"], "world": accelerator.num_processes}
+        for grouped in (False, True):
+            cfg.group_by_length = grouped
+            eval_dl = accelerator.prepare(data.build_loaders(cfg, train_ds, eval_ds, tokenizer,
+                                                             accelerator.num_processes).eval)
+            seen.clear()
+            result = cls.evaluate(model, eval_dl, accelerator, metrics)
+            found[f"{n}:grouped" if grouped else str(n)] = {"ids": seen[0], "n_examples": result["n_examples"],
+                                                             "world": accelerator.num_processes}
     if accelerator.is_main_process:
         Path(out, "eval_ids.json").write_text(json.dumps(found))
 

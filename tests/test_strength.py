@@ -119,7 +119,8 @@ def test_checkpoint_whose_rng_state_does_not_load_is_refused(single_run, tmp_pat
 
 @pytest.mark.multiproc
 def test_eval_gathers_every_example_index_exactly_once(tiny_model, tmp_path):
-    """2 ranks x batch 16: 101 leaves a remainder, 64 divides evenly, 20 is less than one round, 1 is one."""
+    """2 ranks x batch 16: 101 leaves a remainder, 64 divides evenly, 20 is less than one round, 1 is one; in input
+    order and longest first (--group_by_length)."""
     sizes = [101, 64, 20, 1]
     cmd = [ACCELERATE, "launch", "--config_file", "accelerate_configs/ddp.yaml", "--main_process_port",
            str(free_port()), "tests/eval_ids_worker.py", str(TINY), str(tmp_path), *map(str, sizes)]
@@ -130,6 +131,9 @@ def test_eval_gathers_every_example_index_exactly_once(tiny_model, tmp_path):
         got = found[str(n)]
         assert got["world"] == 2
         assert got["n_examples"] == n and got["ids"] == list(range(n)), (n, got["ids"])
+        grouped = found[f"{n}:grouped"]  # --group_by_length: batches longest first, each index still once
+        assert grouped["n_examples"] == n and sorted(grouped["ids"]) == list(range(n)), (n, grouped["ids"])
+    assert found["101:grouped"]["ids"] != list(range(101))  # the batches really came in another order
 
 
 # ---- README shell blocks, as a user pastes them ----
