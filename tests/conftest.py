@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from helpers import PYTHON, REPO, TINY
+from helpers import PARITY_FLAGS, PYTHON, REPO, TINY, run_recipe
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -38,3 +38,11 @@ def no_dropout_model(tiny_model, tmp_path_factory):
     config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     (path / "config.json").write_text(json.dumps(config))
     return path
+
+
+@pytest.fixture(scope="session")
+def ddp_parity_reference(tiny_model, tmp_path_factory):
+    """The shipped ddp.yaml (fp32) with PARITY_FLAGS, run once for every test that compares with it (read only)."""
+    out = tmp_path_factory.mktemp("ddp_parity_ref")
+    run_recipe(out, *PARITY_FLAGS, config="ddp.yaml")
+    return out

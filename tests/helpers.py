@@ -23,8 +23,13 @@ TINY_FLAGS = ["--model_name_or_path", str(TINY), "--max_train_samples", "256", "
               "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "16",
               "--learning_rate", "1e-3", "--ddp_timeout", "120"]
 
-__all__ = ["ACCELERATE", "PYTHON", "REPO", "TINY", "TINY_FLAGS", "eval_loader", "fp32_launch_args", "free_port",
-           "kill_group", "losses", "no_gpu", "rank_records", "read_jsonl", "run_in_own_group", "run_recipe"]
+# The parity runs: 8 optimizer steps of 2 x 8 samples, every rank's samples and state recorded. DDP with these flags
+# is the one reference that test_strategies (shipped ddp.yaml, parity) and test_tutorials (torchrun, checkpointing)
+# compare with: conftest's session fixture `ddp_parity_reference`.
+PARITY_FLAGS = ["--max_train_steps", "8", "--per_device_train_batch_size", "8", "--record_ranks"]
+
+__all__ = ["ACCELERATE", "PARITY_FLAGS", "PYTHON", "REPO", "TINY", "TINY_FLAGS", "eval_loader", "fp32_launch_args",
+           "free_port", "kill_group", "losses", "no_gpu", "rank_records", "read_jsonl", "run_in_own_group", "run_recipe"]
 # For tests whose expectations hold only without GPUs (the CPU rehearsal of FSDP, gloo, the DataParallel fall-back).
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="expects a machine without GPUs (CPU rehearsal)")
 

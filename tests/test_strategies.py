@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 
-from helpers import (ACCELERATE, REPO, TINY_FLAGS, eval_loader, fp32_launch_args, free_port, kill_group, losses,
-                     no_gpu, rank_records, read_jsonl, run_recipe)
+from helpers import (ACCELERATE, PARITY_FLAGS, REPO, TINY_FLAGS, eval_loader, fp32_launch_args, free_port, kill_group,
+                     losses, no_gpu, rank_records, read_jsonl, run_recipe)
 from recipes import cls
 from recipes.metrics import load_metrics
 
@@ -35,7 +35,6 @@ PARITY_ATOL = {"zero1.yaml": 5e-7, "zero2.yaml": 5e-7, "zero3.yaml": 5e-7, "fsdp
 # Pre-clip gradient norms vs DDP, relative: the same float32 reduction-order noise as the losses. AdamW is nearly
 # blind to a constant factor on the gradient and clipping rescales it, so only the norm shows a wrong scale.
 GRAD_NORM_RTOL = 1e-5
-PARITY_FLAGS = ["--max_train_steps", "8", "--per_device_train_batch_size", "8", "--record_ranks"]
 # All three are compared with gradient clipping on (--max_grad_norm 1.0). FSDP2 with clipping used to leave DDP by
 # ~5e-4 from step 3 (an open finding in an earlier revision); at this revision it measures 0 over the 8 steps, so the
 # bound is 0 and a return of that gap fails the test.
@@ -52,13 +51,17 @@ def load_final(out):
 
 
 @pytest.mark.parametrize("config", SHIPPED)
-def test_shipped_config_trains_to_completion(tiny_model, tmp_path, config):
-    run_recipe(tmp_path, "--max_train_steps", "6", "--record_ranks", config=config)
+def test_shipped_config_trains_to_completion(request, tmp_path, config):
+    if config == "ddp.yaml":  # ddp.yaml is fp32: the parity reference below is its run, made once
+        tmp_path = request.getfixturevalue("ddp_parity_reference")
+    else:
+        request.getfixturevalue("tiny_model")
+        run_recipe(tmp_path, *PARITY_FLAGS, config=config)
     resolved = json.loads((tmp_path / "run_config.json").read_text())
     expected_type = {"single.yaml": "NO", "ddp.yaml": "MULTI_CPU", "fsdp.yaml": "FSDP"}.get(config, "DEEPSPEED")
     assert resolved["distributed_type"] == expected_type
     assert resolved["world_size"] == (1 if config == "single.yaml" else 2)
-    assert [s["step"] for s in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, 7))
+    assert [s["step"] for s in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, 9))
     assert read_jsonl(tmp_path / "eval.jsonl")[-1]["n_examples"] == 101
     model, sizes = load_final(tmp_path)
     assert min(sizes) > 0 and model.num_labels == 2
@@ -85,34 +88,29 @@ def test_shipped_config_trains_to_completion(tiny_model, tmp_path, config):
                           "master_params": ["torch.float32"], "optimizer_state": ["torch.float32"]}
 
 
-@pytest.fixture(scope="module")
-def ddp_reference(tiny_model, tmp_path_factory):
-    ref = tmp_path_factory.mktemp("ddp_ref")
-    run_recipe(ref, *PARITY_FLAGS, config="ddp.yaml")
-    return ref
-
 
 @pytest.mark.parametrize("config", ["fsdp.yaml", "zero1.yaml", "zero2.yaml", "zero3.yaml"])
-def test_fp32_losses_match_ddp(ddp_reference, tmp_path, config):
+def test_fp32_losses_match_ddp(ddp_parity_reference, tmp_path, config):
+    ref_dir = ddp_parity_reference
     run_recipe(tmp_path, *PARITY_FLAGS, config=config, launch_args=fp32_launch_args(config, tmp_path))
     assert json.loads((tmp_path / "run_config.json").read_text())["mixed_precision"] == "no"
-    ref, got = losses(ddp_reference), losses(tmp_path)
+    ref, got = losses(ddp_parity_reference), losses(tmp_path)
     assert len(got) == len(ref) == 8
     delta = max(abs(a - b) for a, b in zip(ref, got))
     print(f"{config}: max |loss - ddp loss| over 8 steps = {delta:.3e}")
     assert delta <= PARITY_ATOL[config], (ref, got)
-    norms = [[s["grad_norm"] for s in read_jsonl(out / "metrics.jsonl")] for out in (ddp_reference, tmp_path)]
+    norms = [[s["grad_norm"] for s in read_jsonl(out / "metrics.jsonl")] for out in (ddp_parity_reference, tmp_path)]
     print(f"{config}: grad norms {norms[1]} vs ddp {norms[0]}")
     assert norms[1] == pytest.approx(norms[0], rel=GRAD_NORM_RTOL, abs=0)
-    assert read_jsonl(tmp_path / "eval.jsonl")[-1]["accuracy"] == read_jsonl(ddp_reference / "eval.jsonl")[-1]["accuracy"]
+    assert read_jsonl(tmp_path / "eval.jsonl")[-1]["accuracy"] == read_jsonl(ref_dir / "eval.jsonl")[-1]["accuracy"]
     # The same samples in the same order on each rank, whatever the strategy.
-    assert [r["sample_ids"] for r in rank_records(tmp_path)] == [r["sample_ids"] for r in rank_records(ddp_reference)]
-    final_ref, _ = load_final(ddp_reference)
+    assert [r["sample_ids"] for r in rank_records(tmp_path)] == [r["sample_ids"] for r in rank_records(ref_dir)]
+    final_ref, _ = load_final(ddp_parity_reference)
     final_got, _ = load_final(tmp_path)
     for (name, a), b in zip(final_ref.state_dict().items(), final_got.state_dict().values()):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=0, msg=name)
     if config == "fsdp.yaml":  # bit-equal losses would also come from a silent fall-back to plain DDP
-        assert_sharded(rank_records(tmp_path), rank_records(ddp_reference))
+        assert_sharded(rank_records(tmp_path), rank_records(ddp_parity_reference))
 
 
 def assert_sharded(fsdp_ranks, ddp_ranks):

@@ -19,19 +19,13 @@ import pytest
 import torch
 import yaml
 
-from helpers import (ACCELERATE, PYTHON, REPO, TINY_FLAGS, fp32_launch_args, free_port, losses, rank_records,
-                     read_jsonl, run_recipe)
+from helpers import (ACCELERATE, PARITY_FLAGS, PYTHON, REPO, TINY_FLAGS, fp32_launch_args, free_port, losses,
+                     rank_records, read_jsonl, run_recipe)
 from recipes import RecipeError, activation_checkpointing, precision_support, trainer_args_checks
 from scripts import activation_memory, check_config, make_fp16_configs
 from scripts import memory_model as mm
 
 TORCHRUN = str(Path(PYTHON).parent / "torchrun")
-# Same flags as the parity tests of test_strategies.py: fp32, 8 steps, clipping on.
-PARITY_FLAGS = ["--max_train_steps", "8", "--per_device_train_batch_size", "8", "--record_ranks"]
-# ZeRO-1 reduces gradients in flat buckets in another order than DDP's all-reduce: float32 sums differ in the last
-# bits (measured 1.2e-7 over 8 steps); a real difference (a missed reduction, another dropout stream, a wrong
-# loss scale) moves the losses by 1e-3 or more from the second step on.
-PARITY_ATOL = 1e-4
 # DeepSpeed's dynamic loss scaler as the fp16 twins configure it: start at 2^16, halve after 2 overflows (hysteresis),
 # double after 1000 clean steps, never below 1.
 DYNAMIC_SCALE_ARGS = {"init_scale": 2**16, "scale_window": 1000, "delayed_shift": 2, "consecutive_hysteresis": False,
@@ -233,12 +227,6 @@ def test_readme_zh_commands_match_readme():
 
 # Multi-process: ZeRO-1, torchrun, gradient checkpointing vs one DDP reference ---------------------------------
 
-@pytest.fixture(scope="module")
-def ddp_reference(tiny_model, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp_ref")
-    run_recipe(out, *PARITY_FLAGS, config="ddp.yaml")
-    return out
-
 
 def _compare(ref: Path, got: Path, atol: float) -> float:
     a, b = losses(ref), losses(got)
@@ -253,7 +241,7 @@ def _compare(ref: Path, got: Path, atol: float) -> float:
 
 
 @pytest.mark.multiproc
-def test_torchrun_trains_like_accelerate_launch(ddp_reference, tmp_path):
+def test_torchrun_trains_like_accelerate_launch(ddp_parity_reference, tmp_path):
     """`torchrun --nproc_per_node 2 recipes/cls.py` (no accelerate config: MULTI_CPU over gloo from the
     environment torchrun sets) runs the same code path as ddp.yaml: identical per-step losses."""
     cmd = [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), "recipes/cls.py", *TINY_FLAGS,
@@ -262,16 +250,16 @@ def test_torchrun_trains_like_accelerate_launch(ddp_reference, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     resolved = json.loads((tmp_path / "run_config.json").read_text())
     assert resolved["world_size"] == 2 and resolved["distributed_type"] == "MULTI_CPU"
-    assert _compare(ddp_reference, tmp_path, 0.0) == 0.0
+    assert _compare(ddp_parity_reference, tmp_path, 0.0) == 0.0
 
 
 @pytest.mark.multiproc
-def test_gradient_checkpointing_keeps_the_losses(ddp_reference, tmp_path):
+def test_gradient_checkpointing_keeps_the_losses(ddp_parity_reference, tmp_path):
     """DDP with --gradient_checkpointing against the same run without, fp32, dropout on: the recomputed forward
     restores the RNG state (non-reentrant checkpoint), so the gradients and thus every loss are the same; the
     tolerance allows only float reordering in the recomputation (measured: 0)."""
     run_recipe(tmp_path, *PARITY_FLAGS, "--gradient_checkpointing", config="ddp.yaml")
-    delta = _compare(ddp_reference, tmp_path, 1e-6)
+    delta = _compare(ddp_parity_reference, tmp_path, 1e-6)
     print(f"gradient checkpointing: max |loss - loss without| over 8 steps = {delta:.3e}")
 
 
