@@ -8,7 +8,8 @@ sample ids.
 
 With --record_ranks each rank writes ranks/rank<i>.json: the ids of the training examples it saw, micro-batch by
 micro-batch; a float64 sum of each parameter as the rank holds it; the dtypes the first Linear computed in and the
-optimizer's master weights and state are kept in; and the memory the rank holds (recipes/memstats.py).
+optimizer's master weights and state are kept in; the memory the rank holds (recipes/memstats.py); and "comm", the
+bytes of the collectives of optimizer steps COMM_STEPS (recipes/commstats.py), per step and per kind of collective.
 """
 from __future__ import annotations
 
@@ -19,10 +20,14 @@ from pathlib import Path
 
 import torch
 
-from recipes import memstats
+from recipes import commstats, memstats
 from recipes.data import SAMPLE_IDS
 
 FAULT_VARIABLE = "CLS_FAULT"
+# Optimizer steps whose collectives are counted: after step 1 (lazy set-up: FSDP2's and DeepSpeed's first gathers) and
+# step 2 (DDP rebuilds its buckets at the second forward, broadcasting their layout), and before the benchmark's
+# timed steps (scripts/bench.py warms up 10 steps), since the counter adds Python to every op while it is on.
+COMM_STEPS = range(3, 7)
 
 
 class Probe:
@@ -30,6 +35,10 @@ class Probe:
         self.record, self.rank, self.fault = record, rank, fault
         self.sample_ids: list[list[int]] = []
         self.forward_dtypes: dict = {}
+        self.counter: commstats.CommCounter | None = None  # on from a counted step's first micro-batch to its end
+        self.last_step = 0
+        self.evaluated = False  # an eval-mode forward ran in the counted step: its gathers are not the step's
+        self.comm_steps: dict = {}
 
     @classmethod
     def for_run(cls, cfg, rank: int) -> "Probe":
@@ -56,14 +65,42 @@ class Probe:
             handle.remove()
 
         handle = linear.register_forward_hook(hook)
+        model.register_forward_pre_hook(self._mark_eval)
+
+    def _mark_eval(self, module, inputs) -> None:
+        if self.counter is not None and not module.training:
+            self.evaluated = True
 
     def batch(self, batch) -> None:
         """Take the example ids off a training micro-batch (a plain list beside the tensors) and keep them."""
         if self.record:
             self.sample_ids.append(batch.pop(SAMPLE_IDS))
+            if self.counter is None and self.last_step + 1 in COMM_STEPS:
+                self.counter = commstats.CommCounter()
+                self.evaluated = False
+                self.counter.__enter__()
 
     def step(self, step: int) -> None:
+        """Called after optimizer step `step` and the evaluation that follows it, before its checkpoint."""
+        self.last_step = step
+        self._stop_counting(step)
         self._maybe_die("step", step)
+
+    def _stop_counting(self, step: int) -> None:
+        counter, self.counter = self.counter, None
+        if counter is None:
+            return
+        counter.__exit__(None, None, None)
+        self.comm_steps[step] = {"sent_bytes": counter.total(), "evaluated": self.evaluated,
+                                 "collectives": counter.breakdown(), "unknown_ops": sorted(counter.unknown)}
+
+    def comm_record(self) -> dict:
+        """Bytes sent per rank in each counted step, and their mean over the steps without an evaluation."""
+        clean = [s["sent_bytes"] for s in self.comm_steps.values() if not s["evaluated"]]
+        return {"steps": {str(k): v for k, v in self.comm_steps.items()},
+                "comm_bytes_per_step": sum(clean) / len(clean) if clean else None,
+                "convention": "bytes sent per rank: all-reduce 2(n-1)/n S, all-gather / reduce-scatter / broadcast / "
+                              "reduce (n-1)/n S, S the whole tensor (recipes/commstats.py)"}
 
     def saved(self, step: int) -> None:
         """Called by save_checkpoint after this rank wrote its part of checkpoint `step`, before it is committed."""
@@ -77,12 +114,15 @@ class Probe:
         """Write this rank's record (see the module docstring)."""
         if not self.record:
             return
+        if self.counter is not None:  # a window the loop opened but never closed: no whole step to report
+            self.counter.__exit__(None, None, None)
+            self.counter = None
         sums = {name: float(p.detach().double().sum()) for name, p in model.named_parameters()}
         folder = out / "ranks"
         folder.mkdir(parents=True, exist_ok=True)
         record = {"rank": self.rank, "sample_ids": self.sample_ids, "param_sums": sums,
                   "dtypes": {**self.forward_dtypes, **optimizer_dtypes(optimizer)},
-                  "memory": memstats.rank_memory(model, optimizer, device)}
+                  "memory": memstats.rank_memory(model, optimizer, device), "comm": self.comm_record()}
         (folder / f"rank{self.rank}.json").write_text(json.dumps(record))
 
 

@@ -12,7 +12,9 @@ Runs per model: the recipe under each shipped strategy config (multi-process one
 a hand-written PyTorch loop and transformers.Trainer (scripts/bench_baselines.py), and the recipe padding every
 batch to 128 tokens (--pad_to_max_length) instead of to the longest sequence. A launch that fails is reported with
 its error and skipped. Model-state bytes per rank are measured by recipes/memstats.py after training and compared
-with scripts/memory_model.py's prediction for the same strategy, world size and precision.
+with scripts/memory_model.py's prediction for the same strategy, world size and precision; so are the bytes each
+rank sends per optimizer step (recipes/commstats.py, counted by the probe in steps 3-6, against memory_model's
+comm_bytes_per_step, the textbook figure; bench_report.COMM_NOTES says why a strategy departs from it).
 """
 from __future__ import annotations
 
@@ -91,6 +93,10 @@ class Run:
     state_measured: Optional[int] = None  # model-state bytes per rank: the largest rank, after training
     state_predicted: Optional[int] = None  # memory_model's prediction on the same basis
     memory_ratio: Optional[float] = None
+    comm_measured: Optional[float] = None  # bytes sent per rank per optimizer step (the largest rank)
+    comm_predicted: Optional[float] = None  # the textbook figure, same convention (memory_model.comm_bytes_per_step)
+    comm_ratio: Optional[float] = None
+    comm_breakdown: dict = field(default_factory=dict)  # kind: [measured, predicted] bytes per step per rank
     peak_rss: Optional[int] = None  # peak resident set of the largest process (whole process, not model state)
     cuda_max_allocated: Optional[int] = None
     accuracy: Optional[float] = None
@@ -232,9 +238,11 @@ def collect(run: Run, run_dir: Path, profile: Profile, shape: memory_model.Model
     evals = read_jsonl(run_dir / "eval.jsonl")
     run.accuracy = evals[-1]["accuracy"] if evals else None
     run.run_config = json.loads((run_dir / "run_config.json").read_text())
-    ranks = [json.loads(p.read_text())["memory"] for p in sorted((run_dir / "ranks").glob("rank*.json"))]
-    if not ranks:
+    records = [json.loads(p.read_text()) for p in sorted((run_dir / "ranks").glob("rank*.json"))]
+    if not records:
         return
+    collect_comm(run, records, shape)
+    ranks = [r["memory"] for r in records]
     largest = max(ranks, key=lambda m: m["live_tensor_bytes"])
     run.state_measured = largest["live_tensor_bytes"]
     run.peak_rss = max(m["peak_rss_bytes"] for m in ranks)
@@ -251,6 +259,23 @@ def collect(run: Run, run_dir: Path, profile: Profile, shape: memory_model.Model
         "gradients_and_other": [largest["gradients_bytes"] + largest["other_bytes"],
                                 predicted["gradients_after_eval"] + predicted["buffers_after_eval"]],
     }
+
+
+def collect_comm(run: Run, records: list, shape: memory_model.ModelShape) -> None:
+    """Bytes sent per optimizer step by the busiest rank (the probe's counted steps without an evaluation), per kind
+    of collective, beside the textbook prediction."""
+    comms = [r["comm"] for r in records if r.get("comm", {}).get("comm_bytes_per_step") is not None]
+    if not comms:
+        return
+    busiest = max(comms, key=lambda c: c["comm_bytes_per_step"])
+    run.comm_measured = busiest["comm_bytes_per_step"]
+    predicted = memory_model.comm_bytes_per_step(strategy_of(run), shape, run.world, run.precision)
+    run.comm_predicted = predicted["total"]
+    run.comm_ratio = run.comm_measured / run.comm_predicted if run.comm_predicted else None
+    clean = [step["collectives"] for step in busiest["steps"].values() if not step["evaluated"]]
+    kinds = sorted({kind for step in clean for kind in step} | set(predicted["terms"]))
+    run.comm_breakdown = {kind: [sum(step.get(kind, {}).get("sent_bytes", 0.0) for step in clean) / len(clean),
+                                 predicted["terms"].get(kind, 0.0)] for kind in kinds}
 
 
 # Dense peak FLOP/s per GPU from the vendors' data sheets (bf16 tensor core without sparsity; fp32 is TF32 tensor
@@ -312,6 +337,10 @@ def run_env(widest: int) -> dict:
             "HF_DATASETS_OFFLINE": os.environ.get("HF_DATASETS_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}
 
 
+def mib(value):
+    return None if value is None else value / MIB
+
+
 def format_row(run: Run, mem_label: str) -> str:
     def num(value, fmt):
         return format(value, fmt) if value is not None else "-"
@@ -323,12 +352,15 @@ def format_row(run: Run, mem_label: str) -> str:
             f"{num(run.tokens_per_s, '10.0f')}{num(run.step_time_s, '9.3f')}{num(run.fast_step_time_s, '8.3f')}"
             f"{num(run.state_measured and run.state_measured / MIB, '11.2f')}"
             f"{num(run.state_predicted and run.state_predicted / MIB, '11.2f')}{num(run.memory_ratio, '7.3f')}"
+            f"{num(mib(run.comm_measured), '9.2f')}{num(mib(run.comm_predicted), '9.2f')}"
+            f"{num(run.comm_ratio, '7.3f')}"
             f"{num(peak and peak / MIB, '10.0f')}{num(run.accuracy, '7.3f')}{num(run.wall_s, '7.0f')}")
 
 
 def header(mem_label: str) -> str:
     return (f"{'model':<14}{'run':<15}{'np':>3}{'prec':>6}{'samples/s':>10}{'tokens/s':>10}{'s/step':>9}{'p10':>8}"
-            f"{'state MiB':>11}{'predicted':>11}{'ratio':>7}{mem_label[:10]:>10}{'acc':>7}{'wall s':>7}")
+            f"{'state MiB':>11}{'predicted':>11}{'ratio':>7}{'comm MiB':>9}{'predict':>9}{'ratio':>7}"
+            f"{mem_label[:10]:>10}{'acc':>7}{'wall s':>7}")
 
 
 def hardware() -> dict:
@@ -359,6 +391,7 @@ def run_bench(profile: Profile, strategies=STRATEGIES, baselines=BASELINES, runs
     started = dt.datetime.now()
     log(f"bench: {len(profile.models)} model(s) x {len(strategies) + len(baselines)} runs, {profile.steps} steps "
         f"({profile.warmup_steps} warm-up), {profile.per_device_batch} per device; state MiB per rank (measured, predicted); "
+        f"comm MiB sent per rank per optimizer step (measured, textbook); "
         f"{mem_label} MiB of the largest process")
     log("      " + header(mem_label))
     runs = []

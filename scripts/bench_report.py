@@ -18,6 +18,23 @@ from recipes.records import read_jsonl
 REPO = Path(__file__).resolve().parent.parent
 README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
 MIB = 1024**2
+COMM_TOLERANCE = 0.10  # measured / predicted communication further than this from 1 is explained below the table
+# Why a strategy's measured bytes per step depart from the textbook (2 psi (n-1)/n for DDP and ZeRO-1/2, 3 psi (n-1)/n
+# for ZeRO-3 and FSDP2), read in the pinned sources and seen in the probe's per-collective breakdown.
+COMM_NOTES = {
+    "zero1": "DeepSpeed 0.19.8 reduces each ZeRO-1/2 gradient bucket with one all-reduce of the whole bucket, every "
+             "rank keeping its partition (zero_optimization.use_multi_rank_bucket_allreduce, default true), not a "
+             "reduce-scatter: 2 psi (n-1)/n for the gradients plus psi (n-1)/n for the all-gather of the updated "
+             "parameters, 1.5x the textbook; \"use_multi_rank_bucket_allreduce\": false reduces each slice to its "
+             "owner instead (psi (n-1)/n). Its grad-norm all-reduce adds a few bytes.",
+    "zero3": "ds_configs/zero3*.json keep every gathered parameter until backward (stage3_max_reuse_distance and "
+             "stage3_max_live_parameters 1e9), so backward gathers nothing again: psi (n-1)/n of all-gathers plus "
+             "psi (n-1)/n of gradient reduce-scatter, 2/3 of the textbook; lower them to trade those bytes for memory.",
+    "fsdp": "FSDP2 keeps the root unit (parameters outside the wrapped layers and the input embedding) gathered from "
+            "forward to the end of backward, so it is gathered once, not twice.",
+}
+COMM_NOTES["zero2"] = COMM_NOTES["zero2_offload"] = COMM_NOTES["zero1"]
+COMM_NOTES["zero3_offload"] = COMM_NOTES["zero3"]
 
 
 def throughput(metrics: list, warmup_steps: int) -> dict:
@@ -54,12 +71,17 @@ def ratios(runs: list) -> dict:
             entry["accuracy_dynamic"] = single["accuracy"]
             entry["accuracy_pad128"] = ok["pad128"]["accuracy"]
         entry["memory_measured_vs_predicted"] = {r["name"]: r["memory_ratio"] for r in ok.values() if r["memory_ratio"]}
+        entry["comm_measured_vs_predicted"] = {r["name"]: r["comm_ratio"] for r in ok.values() if r.get("comm_ratio")}
         out[model] = entry
     return out
 
 
 def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def mib(value):
+    return None if value is None else value / MIB
 
 
 def fmt(value, spec: str) -> str:
@@ -69,11 +91,12 @@ def fmt(value, spec: str) -> str:
 def markdown_table(results: dict) -> str:
     label = results["memory_label"]
     lines = [f"| model | run | procs | precision | samples/s | tokens/s | s/step median | s/step p10 "
-             f"| model state MiB/rank | predicted | measured/predicted | {label} MiB | accuracy | MFU |",
-             "|---|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+             f"| model state MiB/rank | predicted | measured/predicted | comm MiB/step/rank | predicted "
+             f"| measured/predicted | {label} MiB | accuracy | MFU |",
+             "|---|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in results["runs"]:
         if r["status"] != "ok":
-            lines.append(f"| {r['model']} | {r['name']} | | | {r['status']}: {r['reason']} | | | | | | | | | |")
+            lines.append(f"| {r['model']} | {r['name']} | | | {r['status']}: {r['reason']} | | | | | | | | | | | | |")
             continue
         peak = r["cuda_max_allocated"] if label == "CUDA max alloc" else r["peak_rss"]
         if label == "CUDA max alloc" and r.get("cuda_max_reserved"):
@@ -85,7 +108,9 @@ def markdown_table(results: dict) -> str:
             f"| {fmt(r['tokens_per_s'], '.0f')} | {fmt(r['step_time_s'], '.3f')} | {fmt(r['fast_step_time_s'], '.3f')} "
             f"| {fmt(r['state_measured'] and r['state_measured'] / MIB, '.2f')} "
             f"| {fmt(r['state_predicted'] and r['state_predicted'] / MIB, '.2f')} | {fmt(r['memory_ratio'], '.3f')} "
-            f"| {peak_text} | {fmt(r['accuracy'], '.3f')} | {fmt(r.get('mfu') and 100 * r['mfu'], '.1f')}% |")
+            f"| {fmt(mib(r.get('comm_measured')), '.2f')} | {fmt(mib(r.get('comm_predicted')), '.2f')} "
+            f"| {fmt(r.get('comm_ratio'), '.3f')} | {peak_text} | {fmt(r['accuracy'], '.3f')} "
+            f"| {fmt(r.get('mfu') and 100 * r['mfu'], '.1f')}% |")
     return "\n".join(lines)
 
 
@@ -136,7 +161,8 @@ def render_markdown(results: dict, chart_name: str) -> str:
               "Model state: bytes of all live tensors on the largest rank after training and the final evaluation "
               "(recipes/memstats.py), against scripts/memory_model.py on the same basis. "
               f"{results['memory_label']}: the whole process (interpreter, libraries, activations), not model state.",
-              "", "## Ratios", "", *ratio_lines(results), "", f"![throughput and memory]({chart_name})", "",
+              "", *comm_section(results), "", "## Ratios", "", *ratio_lines(results), "",
+              f"![throughput and memory]({chart_name})", "",
               "## Memory breakdown (MiB per rank, measured / predicted)", "",
               "| model | run | parameters | optimizer state | gradients + other buffers |", "|---|---|--:|--:|--:|"]
     for r in results["runs"]:
@@ -148,6 +174,27 @@ def render_markdown(results: dict, chart_name: str) -> str:
     lines += ["", "The resolved configuration of every run (run_config.json, and the DeepSpeed JSON it used) is in "
               "the .json file beside this one."]
     return "\n".join(lines) + "\n"
+
+
+def comm_section(results: dict) -> list:
+    """Bytes sent per rank per optimizer step, by kind of collective, measured / textbook, and why a run departs."""
+    lines = ["## Communication per optimizer step (MiB sent per rank, measured / textbook)", "",
+             "Counted by recipes/commstats.py (every c10d and functional collective, DDP's C++ ones included) in the "
+             "probe's steps 3-6 without an evaluation; convention: the bytes a rank sends on average with ring and "
+             "chain algorithms, all-reduce 2 (n-1)/n x S, all-gather and reduce-scatter (n-1)/n x S (S the whole "
+             "tensor), broadcast and reduce (n-1)/n x S. Textbook (scripts/memory_model.py comm_bytes_per_step): "
+             "DDP and ZeRO-1/2 2 psi (n-1)/n, ZeRO-3 and FSDP2 3 psi (n-1)/n, psi the parameter bytes in the "
+             "communicated dtype (DDP: fp32 gradients).", "", "| model | run | collective | measured | textbook |",
+             "|---|---|---|--:|--:|"]
+    notes = []
+    for r in results["runs"]:
+        for kind, (measured, predicted) in (r.get("comm_breakdown") or {}).items():
+            lines.append(f"| {r['model']} | {r['name']} | {kind} | {measured / MIB:.3f} | {predicted / MIB:.3f} |")
+        ratio = r.get("comm_ratio")
+        if ratio is not None and abs(ratio - 1) > COMM_TOLERANCE:
+            why = COMM_NOTES.get(r["name"], "not explained yet: see the breakdown above")
+            notes.append(f"- {r['model']} {r['name']}: measured / textbook {ratio:.3f}. {why}")
+    return lines + ([""] + notes if notes else [])
 
 
 def render_chart(results: dict, path: Path) -> None:

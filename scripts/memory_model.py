@@ -216,6 +216,32 @@ def totals(parts: list[Part]) -> dict:
     return out
 
 
+# Collectives of one optimizer step in the textbook (ZeRO paper, section 7): (kind, multiple of the gradient bytes).
+COMM_TERMS = {
+    "ddp": [("all_reduce", 1)],  # the gradients, once
+    "zero1": [("reduce_scatter", 1), ("all_gather", 1)],  # gradients to their partition, updated parameters back
+    "zero2": [("reduce_scatter", 1), ("all_gather", 1)],
+    "zero3": [("all_gather", 2), ("reduce_scatter", 1)],  # parameters in forward and again in backward; gradients
+    "fsdp": [("all_gather", 2), ("reduce_scatter", 1)],
+}
+
+
+def comm_bytes_per_step(strategy: str, shape: ModelShape, world: int, precision: str) -> dict:
+    """The textbook bytes one rank sends per optimizer step, and their terms: ring all-reduce 2 x psi x (n-1)/n,
+    all-gather and reduce-scatter psi x (n-1)/n, psi the parameter bytes in the communicated dtype. The factors are
+    recipes/commstats.py's (the measured side), so the two compare. DDP keeps fp32 gradients under bf16 autocast and
+    reduces them in fp32; ZeRO and FSDP2 communicate in the compute dtype. Offload changes where the optimizer runs,
+    not what is communicated. Single process (or n = 1): nothing."""
+    from recipes.commstats import ring_factor
+
+    base = strategy.replace("_offload", "")
+    if base not in COMM_TERMS or world <= 1:
+        return {"total": 0.0, "psi": 0, "terms": {}}
+    psi = shape.num_params * (4 if base == "ddp" else DTYPE_BYTES[precision])
+    terms = {kind: times * psi * ring_factor(kind, world) for kind, times in COMM_TERMS[base]}
+    return {"total": sum(terms.values()), "psi": psi, "terms": terms}
+
+
 def format_table(shape: ModelShape, world: int, precision: str, strategies, optimizer_states: int = 2) -> str:
     header = (f"{shape.num_params:,} parameters, {world} process(es), {precision}, "
               f"{optimizer_states} fp32 optimizer state(s) per parameter; GiB per rank, model state only")
