@@ -60,7 +60,8 @@ class ModelSpec:
 class Profile:
     models: list
     steps: int = 60  # optimizer steps of every run: one epoch over steps x effective batch samples
-    warmup_steps: int = 10  # first steps left out of throughput (allocation, first gathers, caches)
+    warmup_steps: int = 10  # first steps left out of throughput (allocation, first gathers, caches); they also hold
+    # the steps whose collectives the probe counts (recipes/probe.py COMM_STEPS, 3-6), slowed by its dispatch mode
     per_device_batch: int = 16  # micro-batch per GPU (or CPU process); the effective batch scales with the world
     max_world: int = 8  # GPUs a multi-process run uses at most
     eval_samples: int = 256

@@ -26,10 +26,11 @@ COMM_NOTES = {
              "rank keeping its partition (zero_optimization.use_multi_rank_bucket_allreduce, default true), not a "
              "reduce-scatter: 2 psi (n-1)/n for the gradients plus psi (n-1)/n for the all-gather of the updated "
              "parameters, 1.5x the textbook; \"use_multi_rank_bucket_allreduce\": false reduces each slice to its "
-             "owner instead (psi (n-1)/n). Its grad-norm all-reduce adds a few bytes.",
+             "owner instead (psi (n-1)/n; 1.000 on the tiny model). Its grad-norm all-reduce adds a few bytes.",
     "zero3": "ds_configs/zero3*.json keep every gathered parameter until backward (stage3_max_reuse_distance and "
              "stage3_max_live_parameters 1e9), so backward gathers nothing again: psi (n-1)/n of all-gathers plus "
-             "psi (n-1)/n of gradient reduce-scatter, 2/3 of the textbook; lower them to trade those bytes for memory.",
+             "psi (n-1)/n of gradient reduce-scatter, 2/3 of the textbook; with both at 0 backward gathers again "
+             "(textbook, 0.999 on the tiny model): less memory for those bytes.",
     "fsdp": "FSDP2 keeps the root unit (parameters outside the wrapped layers and the input embedding) gathered from "
             "forward to the end of backward, so it is gathered once, not twice.",
 }

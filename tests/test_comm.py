@@ -106,6 +106,16 @@ def test_counter_sees_ddp_bucket_all_reduces_issued_from_cpp(fake_world, tiny_mo
     assert c.payload_bytes["all_reduce"] == grads and c.calls["all_reduce"] >= 1
     assert c.payload_bytes["broadcast"] == buffers > 0
     assert grads == 4 * memory_model.shape_from_model(str(tiny_model)).num_params
+    # counting changes nothing: the same gradients, bit for bit, with the counter on and off
+    ddp.eval()  # no dropout: the two passes compute the same
+    for p in model.parameters():
+        p.grad.zero_()
+    counted(step)
+    with_counter = [p.grad.clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad.zero_()
+    step()
+    assert all(torch.equal(a, p.grad) for a, p in zip(with_counter, model.parameters()))
 
 
 def test_counter_sees_fsdp2_gathers_and_reduce_scatters(fake_world):
@@ -195,6 +205,14 @@ def test_bench_reports_the_busiest_rank_beside_the_prediction_and_explains_depar
     bench.collect_comm(single, [{"comm": {"steps": {"3": dict(step, sent_bytes=0.0, collectives={})},
                                           "comm_bytes_per_step": 0.0}}], shape)
     assert single.comm_measured == 0 and single.comm_predicted == 0 and single.comm_ratio is None
+
+
+def test_counted_steps_end_before_the_bench_times_any():
+    """The dispatch mode slows the steps it counts: they must all lie in every profile's warm-up."""
+    from scripts import bench
+
+    assert COMM_STEPS.start >= 3  # after FSDP2's / DeepSpeed's first step and DDP's bucket rebuild at the second
+    assert all(profile.warmup_steps >= COMM_STEPS.stop - 1 for profile in bench.PROFILES.values())
 
 
 # ---- 2-process launches (fp32): measured against the prediction -----------------------------------------------------
