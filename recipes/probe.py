@@ -65,7 +65,8 @@ class Probe:
             handle.remove()
 
         handle = linear.register_forward_hook(hook)
-        model.register_forward_pre_hook(self._mark_eval)
+        # On the Linear, not the wrapper: DeepSpeedEngine.train/eval (0.19.8) set the mode of the module it wraps only.
+        linear.register_forward_pre_hook(self._mark_eval)
 
     def _mark_eval(self, module, inputs) -> None:
         if self.counter is not None and not module.training:

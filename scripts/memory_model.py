@@ -230,8 +230,9 @@ def comm_bytes_per_step(strategy: str, shape: ModelShape, world: int, precision:
     """The textbook bytes one rank sends per optimizer step, and their terms: ring all-reduce 2 x psi x (n-1)/n,
     all-gather and reduce-scatter psi x (n-1)/n, psi the parameter bytes in the communicated dtype. The factors are
     recipes/commstats.py's (the measured side), so the two compare. DDP keeps fp32 gradients under bf16 autocast and
-    reduces them in fp32; ZeRO and FSDP2 communicate in the compute dtype. Offload changes where the optimizer runs,
-    not what is communicated. Single process (or n = 1): nothing."""
+    reduces them in fp32; ZeRO and FSDP2 are predicted in the compute dtype (checked in fp32 only: in bf16 DeepSpeed's
+    communication_data_type / grad_accum_dtype may send gradients in fp32). Offload changes where the optimizer runs,
+    not what is communicated (measured: the same bytes). Single process (or n = 1): nothing."""
     from recipes.commstats import ring_factor
 
     base = strategy.replace("_offload", "")

@@ -142,8 +142,23 @@ def test_counter_sees_fsdp2_gathers_and_reduce_scatters(fake_world):
     assert norm.calls["all_reduce"] == 1 and 0 < norm.payload_bytes["all_reduce"] <= 4 * 4
 
 
+class EngineLike(torch.nn.Module):
+    """Like DeepSpeedEngine: train()/eval() switch the wrapped module only, the wrapper stays in training mode."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return self
+
+    def forward(self, x):
+        return self.module(x)
+
+
 def test_probe_counts_only_the_chosen_steps_and_flags_evaluation(fake_world):
-    model = torch.nn.Linear(4, 4)
+    model = EngineLike(torch.nn.Linear(4, 4))
     probe = Probe(record=True, rank=0)
     probe.watch(model)
     x = torch.ones(8, 4)
