@@ -8,8 +8,9 @@ sample ids.
 
 With --record_ranks each rank writes ranks/rank<i>.json: the ids of the training examples it saw, micro-batch by
 micro-batch; a float64 sum of each parameter as the rank holds it; the dtypes the first Linear computed in and the
-optimizer's master weights and state are kept in; the memory the rank holds (recipes/memstats.py); and "comm", the
-bytes of the collectives of optimizer steps COMM_STEPS (recipes/commstats.py), per step and per kind of collective.
+optimizer's master weights and state are kept in; the memory the rank holds (recipes/memstats.py); and, with
+CLS_COMM=1, "comm": the bytes of the collectives of optimizer steps COMM_STEPS (recipes/commstats.py), per step and
+per kind of collective.
 """
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ from recipes import commstats, memstats
 from recipes.data import SAMPLE_IDS
 
 FAULT_VARIABLE = "CLS_FAULT"
+# With --record_ranks, CLS_COMM=1 also counts the bytes of the collectives of steps COMM_STEPS (`make bench` sets it;
+# tests/test_comm.py too). Off otherwise: the other tests' recorded runs train with no dispatch mode in the step.
+COMM_VARIABLE = "CLS_COMM"
 # Optimizer steps whose collectives are counted: after step 1 (lazy set-up: FSDP2's and DeepSpeed's first gathers) and
 # step 2 (DDP rebuilds its buckets at the second forward, broadcasting their layout), and before the benchmark's
 # timed steps (scripts/bench.py warms up 10 steps), since the counter adds Python to every op while it is on.
@@ -31,8 +35,9 @@ COMM_STEPS = range(3, 7)
 
 
 class Probe:
-    def __init__(self, record: bool, rank: int, fault: str | None = None):
+    def __init__(self, record: bool, rank: int, fault: str | None = None, count_comm: bool = False):
         self.record, self.rank, self.fault = record, rank, fault
+        self.count_comm = record and count_comm
         self.sample_ids: list[list[int]] = []
         self.forward_dtypes: dict = {}
         self.counter: commstats.CommCounter | None = None  # on from a counted step's first micro-batch to its end
@@ -42,7 +47,8 @@ class Probe:
 
     @classmethod
     def for_run(cls, cfg, rank: int) -> "Probe":
-        return cls(record=cfg.record_ranks, rank=rank, fault=os.environ.get(FAULT_VARIABLE) or None)
+        return cls(record=cfg.record_ranks, rank=rank, fault=os.environ.get(FAULT_VARIABLE) or None,
+                   count_comm=os.environ.get(COMM_VARIABLE) == "1")
 
     @property
     def wants_sample_ids(self) -> bool:
@@ -76,7 +82,7 @@ class Probe:
         """Take the example ids off a training micro-batch (a plain list beside the tensors) and keep them."""
         if self.record:
             self.sample_ids.append(batch.pop(SAMPLE_IDS))
-            if self.counter is None and self.last_step + 1 in COMM_STEPS:
+            if self.count_comm and self.counter is None and self.last_step + 1 in COMM_STEPS:
                 self.counter = commstats.CommCounter()
                 self.evaluated = False
                 self.counter.__enter__()

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Optional
 
 from recipes.launch_checks import visible_gpus
+from recipes.probe import COMM_VARIABLE
 from recipes.records import library_versions, read_jsonl
 from scripts import memory_model
 from scripts.bench_report import MIB, ratio_lines, ratios, rerender, throughput, update_readme, write_results
@@ -335,7 +336,8 @@ def run_env(widest: int) -> dict:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // widest)),
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
-            "HF_DATASETS_OFFLINE": os.environ.get("HF_DATASETS_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}
+            "HF_DATASETS_OFFLINE": os.environ.get("HF_DATASETS_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false",
+            COMM_VARIABLE: "1"}  # the probe counts the collectives of steps 3-6, inside the warm-up
 
 
 def mib(value):

@@ -1,5 +1,5 @@
-"""Communication volume per optimizer step (recipes/commstats.py, counted by the probe with --record_ranks) against
-the textbook prediction (scripts/memory_model.py comm_bytes_per_step)."""
+"""Communication volume per optimizer step (recipes/commstats.py, counted by the probe with --record_ranks and
+CLS_COMM=1) against the textbook prediction (scripts/memory_model.py comm_bytes_per_step)."""
 from __future__ import annotations
 
 import json
@@ -8,10 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import fp32_launch_args, no_gpu, rank_records, run_recipe
+from helpers import PARITY_FLAGS, fp32_launch_args, no_gpu, rank_records, run_recipe
 from recipes import commstats
-from recipes.probe import COMM_STEPS, Probe
+from recipes.probe import COMM_STEPS, COMM_VARIABLE, Probe
 from scripts import memory_model
+
+COUNT = {COMM_VARIABLE: "1"}  # the launches below count their collectives (recipes/probe.py)
 
 
 @pytest.mark.parametrize("kind, n, factor", [
@@ -159,7 +161,7 @@ class EngineLike(torch.nn.Module):
 
 def test_probe_counts_only_the_chosen_steps_and_flags_evaluation(fake_world):
     model = EngineLike(torch.nn.Linear(4, 4))
-    probe = Probe(record=True, rank=0)
+    probe = Probe(record=True, rank=0, count_comm=True)
     probe.watch(model)
     x = torch.ones(8, 4)
     for step in range(1, COMM_STEPS.stop + 1):
@@ -250,15 +252,16 @@ def breakdown(output_dir) -> dict:
 
 @pytest.mark.multiproc
 @no_gpu
-def test_ddp_sends_the_gradients_once(ddp_parity_reference, tiny_model):
-    """DDP (the shared parity reference: 8 steps, fp32, 2 processes): one ring all-reduce of every fp32 gradient,
-    2 x 4P x (n-1)/n, plus the buffers DDP broadcasts before each forward and the 12-byte loss reduction of the log."""
-    per_rank, measured = comm_of(ddp_parity_reference)
+def test_ddp_sends_the_gradients_once(tiny_model, tmp_path):
+    """DDP (8 steps, fp32, 2 processes): one ring all-reduce of every fp32 gradient, 2 x 4P x (n-1)/n, plus the
+    buffers DDP broadcasts before each forward and the 12-byte loss reduction of the log."""
+    run_recipe(tmp_path, *PARITY_FLAGS, config="ddp.yaml", env=COUNT)
+    per_rank, measured = comm_of(tmp_path)
     shape = tiny_shape(tiny_model)
     predicted = memory_model.comm_bytes_per_step("ddp", shape, 2, "fp32")["total"]
     print(f"ddp: measured {measured:,.0f} B/step/rank, predicted {predicted:,.0f}, ratio {measured / predicted:.4f}")
     assert len(per_rank[0]) == len(COMM_STEPS) and len({b for rank in per_rank for b in rank}) == 1
-    kinds = breakdown(ddp_parity_reference)
+    kinds = breakdown(tmp_path)
     assert kinds["all_reduce"] == pytest.approx(predicted + 12)  # gradients + the log's 3 floats
     assert measured / predicted == pytest.approx(1.0, abs=0.01)
 
@@ -280,7 +283,7 @@ EXPECTED_RATIOS = {
 @pytest.mark.parametrize("config", sorted(EXPECTED_RATIOS))
 def test_sharded_strategies_send_what_their_collectives_explain(tiny_model, tmp_path, config):
     run_recipe(tmp_path, "--max_train_steps", str(COMM_STEPS.stop - 1), "--per_device_train_batch_size", "4",
-               "--record_ranks", config=config, launch_args=fp32_launch_args(config, tmp_path))
+               "--record_ranks", config=config, launch_args=fp32_launch_args(config, tmp_path), env=COUNT)
     per_rank, measured = comm_of(tmp_path)
     shape = tiny_shape(tiny_model)
     predicted = memory_model.comm_bytes_per_step(config.removesuffix(".yaml"), shape, 2, "fp32")["total"]
