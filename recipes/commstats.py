@@ -122,9 +122,6 @@ class CommCounter(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.reset()
-
-    def reset(self) -> None:
         self.calls: dict = defaultdict(int)
         self.payload_bytes: dict = defaultdict(int)
         self.sent_bytes: dict = defaultdict(float)

@@ -71,8 +71,8 @@ class Probe:
             handle.remove()
 
         handle = linear.register_forward_hook(hook)
-        # On the Linear, not the wrapper: DeepSpeedEngine.train/eval (0.19.8) set the mode of the module it wraps only.
-        linear.register_forward_pre_hook(self._mark_eval)
+        if self.count_comm:  # on the Linear, not the wrapper: DeepSpeedEngine.eval (0.19.8) sets its module's mode only
+            linear.register_forward_pre_hook(self._mark_eval)
 
     def _mark_eval(self, module, inputs) -> None:
         if self.counter is not None and not module.training:

@@ -38,7 +38,7 @@ from recipes.launch_checks import visible_gpus
 from recipes.probe import COMM_VARIABLE
 from recipes.records import library_versions, read_jsonl
 from scripts import memory_model
-from scripts.bench_report import MIB, ratio_lines, ratios, rerender, throughput, update_readme, write_results
+from scripts.bench_report import MIB, mib, ratio_lines, ratios, rerender, throughput, update_readme, write_results
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -338,10 +338,6 @@ def run_env(widest: int) -> dict:
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
             "HF_DATASETS_OFFLINE": os.environ.get("HF_DATASETS_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false",
             COMM_VARIABLE: "1"}  # the probe counts the collectives of steps 3-6, inside the warm-up
-
-
-def mib(value):
-    return None if value is None else value / MIB
 
 
 def format_row(run: Run, mem_label: str) -> str:
