@@ -35,7 +35,7 @@ pairs: offline-model
 # a 2-process launch spends much of its time importing on one core. TEST_WORKERS=1 runs them one after the other.
 TEST_WORKERS ?= 2
 test: offline-model
-	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile tests  # -rs: every skip prints its reason
+	$(PY) -m pytest -q -rs --durations=15 -n $(TEST_WORKERS) --dist loadfile tests  # -rs: every skip prints its reason
 
 bench: offline-model
 	$(PY) scripts/bench.py --profile $(or $(BENCH),quick)

@@ -78,6 +78,8 @@ class Config:
     logging_steps: int = field(default=10, metadata={"help": "read losses from the device every N steps"})
     tf32: bool = field(default=True, metadata={"help": "fp32 runs on GPUs use TF32 tensor cores for matmuls"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
+    cpu_threads: int = field(default=0, metadata={
+        "help": "threads per process computing on CPU; 0: OMP_NUM_THREADS if above 1, else cores / local processes"})
 
 
 def parse_config(argv=None) -> Config:

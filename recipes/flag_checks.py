@@ -28,6 +28,8 @@ def flag_problems(cfg) -> list[str]:
     for name in ("max_train_steps", "max_train_samples", "max_eval_samples", "eval_steps"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             problems.append(f"--{name} {getattr(cfg, name)} must be >= 1")
+    if cfg.cpu_threads < 0:
+        problems.append(f"--cpu_threads {cfg.cpu_threads} must be >= 0 (0: chosen from the machine)")
     if not cfg.learning_rate > 0:
         problems.append(f"--learning_rate {cfg.learning_rate} must be > 0")
     if not 0 < cfg.validation_split < 1:

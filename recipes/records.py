@@ -56,6 +56,7 @@ def describe_run(cfg, accelerator, total_steps: int, n_train: int, n_eval: int) 
         "n_train_examples": n_train,
         "n_eval_examples": n_eval,
         "device": device_name(accelerator.device),
+        "cpu_threads": torch.get_num_threads(),  # intra-op threads of this process (recipes/strategy.py set_cpu_threads)
         "versions": library_versions(),
     }
 
@@ -86,7 +87,7 @@ class StepLog:
 
     def end_step(self, info: dict, grad_norm: torch.Tensor) -> None:
         """`info` holds step, epoch, lr, samples (of the step on all ranks) and elapsed seconds."""
-        totals = self.accelerator.reduce(self.window.clone(), reduction="sum")
+        totals = self.accelerator.reduce(self.window, reduction="sum")  # a new tensor: accelerate 1.15.0 reduces a clone
         self.window.zero_()
         self.pending.append((info, torch.cat([totals, grad_norm.reshape(1).to(totals)])))
         if len(self.pending) >= self.every:

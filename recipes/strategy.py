@@ -44,7 +44,7 @@ def make_accelerator(cfg):
         dataloader_config=DataLoaderConfiguration(non_blocking=not on_cpu),
     )
     set_matmul_precision(cfg, accelerator)
-    set_cpu_threads(accelerator)
+    set_cpu_threads(accelerator, cfg.cpu_threads)
     if on_cpu and fsdp:
         rehearse_fsdp_on_cpu(accelerator)
     if cfg.data_parallel and accelerator.num_processes > 1:
@@ -122,16 +122,30 @@ def offloads_optimizer(accelerator) -> bool:
     return (zero.get("offload_optimizer") or {}).get("device", "none") in ("cpu", "nvme")
 
 
-def set_cpu_threads(accelerator) -> None:
-    """Give an offloaded optimizer step this machine's cores.
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity: taskset, cgroup cpusets, Slurm), else all of them."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
-    `accelerate launch` 1.15.0 sets OMP_NUM_THREADS=1 in every process unless the config says use_cpu, so DeepSpeed's
-    CPU Adam (OpenMP) would run on one core per process. Each process gets cores / processes on this machine.
+
+def set_cpu_threads(accelerator, requested: int = 0) -> int:
+    """Intra-op threads of a process that computes on CPU (or runs an offloaded optimizer step there); returns them.
+
+    `accelerate launch` 1.15.0 sets OMP_NUM_THREADS=1 in every process unless the config says use_cpu or the user set
+    it (commands/launch.py, num_cpu_threads_per_process), so a CPU run would train on one core of the machine, and
+    DeepSpeed's CPU Adam (OpenMP) too. The rule: --cpu_threads N if given; else OMP_NUM_THREADS when it is above 1
+    (a user's choice: accelerate's own default is 1); else the cores / the processes on this machine. A GPU run that
+    keeps its optimizer on the GPU is left alone.
     """
-    if not offloads_optimizer(accelerator):
-        return
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    if accelerator.device.type != "cpu" and not offloads_optimizer(accelerator):
+        return torch.get_num_threads()
+    if requested > 0:
+        threads = requested
+    elif int(os.environ.get("OMP_NUM_THREADS", "0") or 0) > 1:
+        threads = int(os.environ["OMP_NUM_THREADS"])
+    else:
+        threads = max(1, available_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    torch.set_num_threads(threads)
+    return threads
 
 
 def make_optimizer(accelerator, groups: list[dict], lr: float):

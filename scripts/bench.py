@@ -8,10 +8,18 @@ a warm-up, from the recipe's metrics.jsonl (elapsed, samples, tokens). Runs go t
 results to results/<date>_<device>_<host>.{md,json,png}, and README.md's block between the bench markers.
 
 Runs per model: the recipe under each shipped strategy config (multi-process ones on every GPU, or 2 CPU processes),
-`python recipes/cls.py --data_parallel` where more than one GPU is visible, and three baselines on one process:
-a hand-written PyTorch loop and transformers.Trainer (scripts/bench_baselines.py), and the recipe padding every
-batch to 128 tokens (--pad_to_max_length) instead of to the longest sequence. A launch that fails is reported with
-its error and skipped. Model-state bytes per rank are measured by recipes/memstats.py after training and compared
+`python recipes/cls.py --data_parallel` where more than one GPU is visible, and four baselines on one process:
+a hand-written PyTorch loop and transformers.Trainer (scripts/bench_baselines.py), the recipe padding every batch to
+128 tokens (--pad_to_max_length) instead of to the longest sequence, and the recipe with length-grouped batches
+(--group_by_length); and `alternate`, the recipe, the loop and Trainer trained in turn inside one process
+(scripts/bench_baselines.py alternate), the basis of the overhead ratios. A launch that fails is reported with its
+error and skipped.
+
+The one-process runs that the ratios compare (COMPARED) run in interleaved rounds, A B C D E, E D C B A, ..., round r
+with seed 42 + r, so that a change of load on the machine hits every side alike; each ratio is taken within a round
+(the same seed, so the same samples), and reported as the median over the rounds with its min-max. Every run gets
+the whole machine: on CPU each process gets cores / processes threads (OMP_NUM_THREADS, and --cpu_threads for the
+recipe), recorded as `threads`. Model-state bytes per rank are measured by recipes/memstats.py after training and compared
 with scripts/memory_model.py's prediction for the same strategy, world size and precision; so are the bytes each
 rank sends per optimizer step (recipes/commstats.py, counted by the probe in steps 3-6, against memory_model's
 comm_bytes_per_step, the textbook figure; bench_report.COMM_NOTES says why a strategy departs from it).
@@ -37,15 +45,21 @@ from typing import Optional
 from recipes.launch_checks import visible_gpus
 from recipes.probe import COMM_VARIABLE
 from recipes.records import library_versions, read_jsonl
+from recipes.strategy import available_cores
 from scripts import memory_model
-from scripts.bench_report import MIB, mib, ratio_lines, ratios, rerender, throughput, update_readme, write_results
+from scripts.bench_report import (MIB, epoch_figures, mib, ratio_lines, ratios, rerender, throughput, update_readme,
+                                  write_results)
 
 REPO = Path(__file__).resolve().parent.parent
 
 PYTHON = sys.executable
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 STRATEGIES = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "dataparallel")
-BASELINES = ("loop", "trainer", "pad128")
+BASELINES = ("loop", "trainer", "pad128", "grouped", "alternate")
+# The one-process runs in interleaved rounds, in launch order: the pairs that the goals compare are neighbours
+# (pad128-grouped-single-loop) or one apart (single-trainer), and odd rounds run backwards (A B C, C B A, A B C, ...)
+# so that a slow drift of the machine's speed, which on a shared VM reaches 15% over a few minutes, cancels.
+COMPARED = ("pad128", "grouped", "single", "loop", "trainer")
 
 
 @dataclass
@@ -65,7 +79,8 @@ class Profile:
     # the steps whose collectives the probe counts (recipes/probe.py COMM_STEPS, 3-6), slowed by its dispatch mode
     per_device_batch: int = 16  # micro-batch per GPU (or CPU process); the effective batch scales with the world
     max_world: int = 8  # GPUs a multi-process run uses at most
-    eval_samples: int = 256
+    eval_samples: Optional[int] = None  # validation examples; None: the whole validation split
+    repeats: int = 4  # interleaved rounds of the COMPARED runs (seed 42 + round); the ratios are medians over them
     run_timeout: int = 900  # seconds before a run is killed and reported as timed out
 
 
@@ -85,13 +100,17 @@ class Run:
     kind: str  # "strategy" or "baseline"
     status: str = "ok"  # ok, failed, skipped, timeout
     reason: str = ""
+    round: int = 0  # interleaved round of a COMPARED run (seed 42 + round); every other run: round 0
+    seed: int = 42
     world: int = 1
     precision: str = "fp32"
-    threads: int = 0  # OMP_NUM_THREADS of each process
+    threads: int = 0  # intra-op threads of each process (on CPU: cores / processes)
     samples_per_s: Optional[float] = None
     tokens_per_s: Optional[float] = None
     step_time_s: Optional[float] = None  # median seconds per step after warm-up
-    fast_step_time_s: Optional[float] = None  # 10th percentile: the steps no other process slowed (the ratios')
+    fast_step_time_s: Optional[float] = None  # 10th percentile: the steps no other process slowed
+    epoch_s: Optional[float] = None  # seconds of all the training steps: the same samples in every COMPARED run
+    padding_efficiency: Optional[float] = None  # real tokens / padded tokens (the positions the model computes)
     state_measured: Optional[int] = None  # model-state bytes per rank: the largest rank, after training
     state_predicted: Optional[int] = None  # memory_model's prediction on the same basis
     memory_ratio: Optional[float] = None
@@ -114,6 +133,7 @@ class Run:
     model_flops_per_s: Optional[float] = None  # 6 x parameters x real tokens/s, plus attention
     mfu: Optional[float] = None  # model FLOP/s over the device's peak (GPU table, or the CPU's measured matmul peak)
     env: dict = field(default_factory=dict)  # variables this run adds to the shared environment
+    alternate: list = field(default_factory=list)  # `alternate`: per round, seconds per epoch of recipe, loop, Trainer
 
 
 def free_port() -> int:
@@ -146,22 +166,28 @@ def plan_command(run: Run, spec: ModelSpec, profile: Profile, run_dir: Path, run
     run.world = world_of(run.name, n_gpus, profile.max_world)
     batch = effective_batch(run.name, n_gpus, profile)
     train_samples = profile.steps * batch
-    shared = ["--model_name_or_path", spec.path, "--output_dir", str(run_dir), "--seed", "42",
-              "--max_train_samples", str(train_samples), "--max_eval_samples", str(profile.eval_samples),
-              "--learning_rate", str(spec.learning_rate)] + (["--random_init"] if spec.random_init else [])
+    shared = ["--model_name_or_path", spec.path, "--output_dir", str(run_dir), "--seed", str(run.seed),
+              "--max_train_samples", str(train_samples), "--learning_rate", str(spec.learning_rate)]
+    shared += ["--random_init"] if spec.random_init else []
+    if run.name == "alternate":  # only its epoch times are reported: a small evaluation
+        return [PYTHON, "scripts/bench_baselines.py", "alternate", *shared, "--batch_size", str(batch),
+                "--precision", spec.precision, "--rounds", str(profile.repeats), "--max_eval_samples", "64"]
+    shared += ["--max_eval_samples", str(profile.eval_samples)] if profile.eval_samples else []
     if run.name in ("loop", "trainer"):
         return [PYTHON, "scripts/bench_baselines.py", run.name, *shared, "--batch_size", str(batch),
                 "--precision", spec.precision]
     # --logging_steps 1: each step's time is taken after its loss is read, so on GPUs it is the step's real time
     # (as in the hand-written loop and Trainer with logging every step); by default the recipe reads every 10 steps.
     recipe_args = [recipe, *shared, "--max_train_steps", str(profile.steps), "--record_ranks", "--logging_steps", "1",
-                   "--per_device_train_batch_size", str(batch // run.world)]
+                   "--per_device_train_batch_size", str(batch // run.world), "--cpu_threads", str(run.threads)]
     if run.name == "pad128":
         recipe_args += ["--pad_to_max_length", "--max_length", "128"]
+    if run.name == "grouped":
+        recipe_args += ["--group_by_length"]
     if run.name == "dataparallel":  # a plain python run: precision comes from the variable accelerate reads
         run.env = {"ACCELERATE_MIXED_PRECISION": "bf16" if spec.precision == "bf16" else "no"}
         return [PYTHON, *recipe_args, "--data_parallel"]
-    strategy = "single" if run.name == "pad128" else run.name
+    strategy = "single" if run.name in ("pad128", "grouped") else run.name
     launch = [ACCELERATE, "launch", "--config_file", f"accelerate_configs/{strategy}.yaml",
               "--num_processes", str(run.world), "--main_process_port", str(free_port())]
     if strategy.startswith("zero"):  # the JSON holds the precision; --mixed_precision beside it is an error
@@ -230,11 +256,14 @@ def strategy_of(run: Run) -> str:
 
 def collect(run: Run, run_dir: Path, profile: Profile, shape: memory_model.ModelShape) -> None:
     """Throughput, accuracy, memory (measured vs predicted) and the resolved config of a finished run."""
+    if run.name == "alternate":
+        run.alternate = json.loads((run_dir / "alternate.json").read_text())["epoch_s"]
+        return
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     if len(metrics) != profile.steps:
         run.status, run.reason = "failed", f"{len(metrics)} of {profile.steps} steps recorded"
         return
-    for key, value in throughput(metrics, profile.warmup_steps).items():
+    for key, value in {**throughput(metrics, profile.warmup_steps), **epoch_figures(metrics)}.items():
         setattr(run, key, value)
     run.final_loss = metrics[-1]["loss"]
     evals = read_jsonl(run_dir / "eval.jsonl")
@@ -250,7 +279,8 @@ def collect(run: Run, run_dir: Path, profile: Profile, shape: memory_model.Model
     run.peak_rss = max(m["peak_rss_bytes"] for m in ranks)
     run.cuda_max_allocated = max((m.get("cuda_max_allocated_bytes", 0) for m in ranks), default=0) or None
     run.cuda_max_reserved = max((m.get("cuda_max_reserved_bytes", 0) for m in ranks), default=0) or None
-    parts = memory_model.predict(strategy_of(run), shape, run.world, run.precision, ds_config=run.ds_config)
+    parts = memory_model.predict(strategy_of(run), shape, run.world, run.precision, ds_config=run.ds_config,
+                                 comm_counted=run.comm_measured is not None)
     predicted = memory_model.totals(parts)
     run.state_predicted = predicted["after_eval"]
     run.memory_ratio = run.state_measured / run.state_predicted
@@ -328,16 +358,31 @@ def cpu_matmul_flops(dtype, threads: int, n: int = 1024, repeats: int = 10) -> f
     return 2 * n**3 / best
 
 
-def run_env(widest: int) -> dict:
-    """The environment of every run. Each process gets the same intra-op threads, the cores divided by the processes
-    of the widest run, so no run oversubscribes the CPU (on a shared machine an OpenMP thread that loses its core
-    stalls every step) and one-process runs compare on equal terms; without this, accelerate launch would give each
-    process 1 thread and a plain `python` run every core."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // widest)),
+def threads_of(world: int) -> int:
+    """Intra-op threads per process of a run on `world` processes: the machine's cores shared out, so every run has
+    the same budget (the machine) and none oversubscribes it. Without this, accelerate launch would give each process
+    1 thread (OMP_NUM_THREADS=1 unless the config says use_cpu, accelerate 1.15.0) and a plain `python` run all."""
+    return max(1, available_cores() // world)
+
+
+def run_env(threads: int, world: int) -> dict:
+    """The environment of every run, with its threads per process. The probe counts the collectives of steps 3-6
+    (inside the warm-up) of the multi-process runs only: one process has none, and its dispatch mode would slow those
+    steps (2-3% of the one-process runs' epoch, which the ratios compare)."""
+    return {**os.environ, "OMP_NUM_THREADS": str(threads),
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
             "HF_DATASETS_OFFLINE": os.environ.get("HF_DATASETS_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false",
-            COMM_VARIABLE: "1"}  # the probe counts the collectives of steps 3-6, inside the warm-up
+            COMM_VARIABLE: "1" if world > 1 else "0"}
+
+
+def schedule_runs(names, repeats: int, n_gpus: int) -> list[tuple[str, int]]:
+    """(name, round) in launch order: the COMPARED one-process runs first, in `repeats` interleaved rounds (A B C,
+    C B A, A B C, ...), then the multi-process runs once."""
+    compared = [name for name in COMPARED if name in names]
+    rest = [name for name in names if name not in COMPARED]
+    rest.sort(key=lambda name: name == "dataparallel")
+    rounds = [(name, r) for r in range(max(1, repeats)) for name in (compared[::-1] if r % 2 else compared)]
+    return rounds + [(name, 0) for name in rest]
 
 
 def format_row(run: Run, mem_label: str) -> str:
@@ -345,21 +390,23 @@ def format_row(run: Run, mem_label: str) -> str:
         return format(value, fmt) if value is not None else "-"
 
     peak = run.cuda_max_allocated if mem_label == "CUDA max alloc" else run.peak_rss
+    name = run.name + (f"#{run.round}" if run.round else "")
     if run.status != "ok":
-        return f"{run.model:<14}{run.name:<15}{run.status}: {run.reason}"
-    return (f"{run.model:<14}{run.name:<15}{run.world:>3}{run.precision:>6}{num(run.samples_per_s, '10.1f')}"
+        return f"{run.model:<14}{name:<15}{run.status}: {run.reason}"
+    return (f"{run.model:<14}{name:<15}{run.world:>3}{run.precision:>6}{num(run.samples_per_s, '10.1f')}"
             f"{num(run.tokens_per_s, '10.0f')}{num(run.step_time_s, '9.3f')}{num(run.fast_step_time_s, '8.3f')}"
             f"{num(run.state_measured and run.state_measured / MIB, '11.2f')}"
             f"{num(run.state_predicted and run.state_predicted / MIB, '11.2f')}{num(run.memory_ratio, '7.3f')}"
             f"{num(mib(run.comm_measured), '9.2f')}{num(mib(run.comm_predicted), '9.2f')}"
             f"{num(run.comm_ratio, '7.3f')}"
-            f"{num(peak and peak / MIB, '10.0f')}{num(run.accuracy, '7.3f')}{num(run.wall_s, '7.0f')}")
+            f"{num(peak and peak / MIB, '10.0f')}{num(run.accuracy, '7.3f')}{num(run.epoch_s, '8.2f')}"
+            f"{num(run.padding_efficiency, '6.3f')}{num(run.wall_s, '7.0f')}")
 
 
 def header(mem_label: str) -> str:
     return (f"{'model':<14}{'run':<15}{'np':>3}{'prec':>6}{'samples/s':>10}{'tokens/s':>10}{'s/step':>9}{'p10':>8}"
             f"{'state MiB':>11}{'predicted':>11}{'ratio':>7}{'comm MiB':>9}{'predict':>9}{'ratio':>7}"
-            f"{mem_label[:10]:>10}{'acc':>7}{'wall s':>7}")
+            f"{mem_label[:10]:>10}{'acc':>7}{'epoch s':>8}{'pad':>6}{'wall s':>7}")
 
 
 def hardware() -> dict:
@@ -388,22 +435,22 @@ def run_bench(profile: Profile, strategies=STRATEGIES, baselines=BASELINES, runs
     n_gpus = visible_gpus()
     mem_label = "CUDA max alloc" if n_gpus else "peak RSS"
     started = dt.datetime.now()
-    log(f"bench: {len(profile.models)} model(s) x {len(strategies) + len(baselines)} runs, {profile.steps} steps "
-        f"({profile.warmup_steps} warm-up), {profile.per_device_batch} per device; state MiB per rank (measured, predicted); "
-        f"comm MiB sent per rank per optimizer step (measured, textbook); "
-        f"{mem_label} MiB of the largest process")
+    names = (*strategies, *baselines)
+    schedule = schedule_runs(names, profile.repeats, n_gpus)
+    log(f"bench: {len(profile.models)} model(s) x {len(schedule)} runs ({profile.repeats} interleaved rounds of "
+        f"{', '.join(n for n in names if n in COMPARED)}), {profile.steps} steps ({profile.warmup_steps} warm-up), "
+        f"{profile.per_device_batch} per device; state MiB per rank (measured, predicted); comm MiB sent per rank per "
+        f"optimizer step (measured, textbook); {mem_label} MiB of the largest process; epoch s: all training steps; "
+        "pad: real / padded tokens")
     log("      " + header(mem_label))
     runs = []
-    names = (*strategies, *baselines)
-    widest = max(world_of(name, n_gpus, profile.max_world) for name in names)
-    # The one-process runs the ratios compare go first, back to back, so a change of load hits them alike.
-    order = sorted(names, key=lambda name: world_of(name, n_gpus, profile.max_world) > 1 or name == "dataparallel")
     peaks = {}
     for spec in profile.models:
         shape = memory_model.shape_from_model(str(REPO / spec.path))
-        for name in order:
-            run = Run(model=spec.name, name=name, kind="baseline" if name in BASELINES else "strategy")
-            run_dir = runs_dir / f"{spec.name}_{name}"
+        for name, round_ in schedule:
+            run = Run(model=spec.name, name=name, kind="baseline" if name in BASELINES else "strategy", round=round_,
+                      seed=42 + round_)
+            run_dir = runs_dir / (f"{spec.name}_{name}" + (f"_r{round_}" if round_ else ""))
             run.run_dir = str(run_dir.relative_to(REPO) if run_dir.is_relative_to(REPO) else run_dir)
             run.reason = skip_reason(run, n_gpus)
             if run.reason:
@@ -411,10 +458,10 @@ def run_bench(profile: Profile, strategies=STRATEGIES, baselines=BASELINES, runs
             else:
                 shutil.rmtree(run_dir, ignore_errors=True)  # no records of an earlier run may be read as this one's
                 run_dir.mkdir(parents=True)
+                run.threads = threads_of(world_of(name, n_gpus, profile.max_world))
                 command = plan_command(run, spec, profile, run_dir, runs_dir, recipe, n_gpus)
                 run.effective_batch = effective_batch(name, n_gpus, profile)
-                env = {**run_env(widest), **run.env}
-                run.threads = int(env["OMP_NUM_THREADS"])
+                env = {**run_env(run.threads, run.world), **run.env}
                 if name in ("loop", "trainer") and n_gpus > 1:
                     env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
                 execute(run, command, run_dir, profile, env)
@@ -427,13 +474,13 @@ def run_bench(profile: Profile, strategies=STRATEGIES, baselines=BASELINES, runs
                     run.model_flops_per_s = model_flops(shape, run.tokens_per_s)
                     run.mfu = run.model_flops_per_s / (peaks[key] * (run.world if n_gpus else 1))
             runs.append(run)
-            log(f"{len(runs):>2}/{len(names) * len(profile.models):<3}" + format_row(run, mem_label))
-    runs.sort(key=lambda r: ([spec.name for spec in profile.models].index(r.model), names.index(r.name)))
+            log(f"{len(runs):>2}/{len(schedule) * len(profile.models):<3}" + format_row(run, mem_label))
+    runs.sort(key=lambda r: ([spec.name for spec in profile.models].index(r.model), r.round, names.index(r.name)))
     work = {spec.name: {"model": spec.path, "random_init": spec.random_init, "precision": spec.precision,
                         "learning_rate": spec.learning_rate, "steps": profile.steps,
                         "warmup_steps": profile.warmup_steps, "per_device_batch": profile.per_device_batch,
                         "effective_batch": {r["name"]: r["effective_batch"] for r in plan(profile, n_gpus, names)},
-                        "eval_samples": profile.eval_samples,
+                        "eval_samples": profile.eval_samples or "all", "repeats": profile.repeats,
                         "max_length": 128, "seed": 42} for spec in profile.models}
     return {"date": started.strftime("%Y-%m-%d"), "started": started.isoformat(timespec="seconds"),
             "duration_s": (dt.datetime.now() - started).total_seconds(), "hardware": hardware(),

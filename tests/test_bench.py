@@ -85,6 +85,10 @@ def test_memory_model_fills_auto_sizes_as_accelerate_does():
 def test_memory_model_counts_ddp_buckets_apart_from_what_memstats_sees():
     totals = mm.totals(mm.predict("ddp", mm.ModelShape(num_params=P), N, "fp32"))
     assert totals["after_eval"] == 12 * P and totals["buffers_after_eval"] == 0
+    # the bench's collective counter wraps the bucket in a Python tensor (measured: other bytes 23,220 -> 6,037,180 on
+    # the tiny model's 6,013,960 bytes of gradients with CLS_COMM=1)
+    counted = mm.totals(mm.predict("ddp", mm.ModelShape(num_params=P), N, "fp32", comm_counted=True))
+    assert counted["after_eval"] == 16 * P and counted["buffers_after_eval"] == 4 * P
 
 
 def test_memory_model_cli_prints_a_row_per_strategy(capsys):
@@ -117,24 +121,88 @@ def test_failure_reason_is_the_child_error_not_the_launcher_error():
 
 
 def fake_results() -> dict:
-    ok = dict(bench.Run(model="tiny", name="single", kind="strategy").__dict__, world=1, samples_per_s=150.0,
-              tokens_per_s=7000.0, step_time_s=0.25, fast_step_time_s=0.2, state_measured=18_100_000,
-              state_predicted=18_042_000,
+    """Round 0 of single, fsdp (failed) and loop, and a round 1 of single and loop: epoch seconds 10 / 9.5 and
+    12 / 10 (ratios 1.0526 and 1.2)."""
+    ok = dict(bench.Run(model="tiny", name="single", kind="strategy").__dict__, world=1, threads=2,
+              samples_per_s=150.0, tokens_per_s=7000.0, step_time_s=0.25, fast_step_time_s=0.2,
+              epoch_s=10.0, padding_efficiency=0.375, state_measured=18_100_000, state_predicted=18_042_000,
               memory_ratio=18_100_000 / 18_042_000, peak_rss=1_150_000_000, accuracy=0.61, final_loss=0.65, mfu=0.025,
               breakdown={"parameters": [6e6, 6e6], "optimizer_state": [12e6, 12e6],
                          "gradients_and_other": [1e5, 0]})
-    loop = dict(ok, name="loop", kind="baseline", step_time_s=0.24, fast_step_time_s=0.19, samples_per_s=160.0)
+    loop = dict(ok, name="loop", kind="baseline", step_time_s=0.24, fast_step_time_s=0.19, samples_per_s=160.0,
+                epoch_s=9.5)
     failed = dict(bench.Run(model="tiny", name="fsdp", kind="strategy").__dict__, status="failed",
                   reason="ValueError: no FSDP on CPU")
-    runs = [ok, failed, loop]
+    again = [dict(ok, round=1, seed=43, epoch_s=12.0, accuracy=0.6), dict(loop, round=1, seed=43, epoch_s=10.0)]
+    same = dict(bench.Run(model="tiny", name="alternate", kind="baseline").__dict__, alternate=[
+        {"recipe": 9.7, "loop": 10.0, "trainer": 10.0}, {"recipe": 10.1, "loop": 10.0, "trainer": 10.8}])
+    runs = [ok, failed, loop, *again, same]
     return {"date": "2026-01-02", "started": "2026-01-02T03:04:05", "duration_s": 600.0, "command": "make bench",
             "hardware": {"host": "box", "cpu": "test cpu", "cpu_cores": 2, "gpus": [], "device": "cpu"},
             "versions": {"torch": "2.13.0"}, "memory_label": "peak RSS",
             "work": {"tiny": {"model": "artifacts/tiny-roberta", "random_init": False, "precision": "fp32",
                               "learning_rate": 1e-3, "steps": 40, "warmup_steps": 5, "effective_batch": 32,
                               "train_samples": 1280, "eval_samples": 256, "max_length": 128, "seed": 42}},
-            "runs": runs, "ratios": {"tiny": {"recipe_vs_hand_loop_time": 0.2 / 0.19,
-                                               "memory_measured_vs_predicted": {"single": ok["memory_ratio"]}}}}
+            "runs": runs, "ratios": bench_report.ratios(runs)}
+
+
+def test_ratios_are_medians_of_the_interleaved_rounds():
+    got = bench_report.ratios(fake_results()["runs"])["tiny"]
+    assert got["recipe_vs_hand_loop_time"] == pytest.approx(
+        {"median": (10 / 9.5 + 1.2) / 2, "min": 10 / 9.5, "max": 1.2, "rounds": 2})
+    assert got["accuracy"] == {"single": [0.61, 0.6]} and "trainer_vs_recipe_time" not in got
+    assert got["memory_measured_vs_predicted"] == {"single": pytest.approx(18_100_000 / 18_042_000), "loop":
+                                                   pytest.approx(18_100_000 / 18_042_000)}
+
+
+def test_grouped_ratios_and_accuracy_are_paired_by_round():
+    def run(name, round_, epoch_s, accuracy):
+        return dict(bench.Run(model="tiny", name=name, kind="baseline", round=round_).__dict__, epoch_s=epoch_s,
+                    accuracy=accuracy, memory_ratio=None)
+
+    runs = [run("single", 0, 9.0, 0.600), run("pad128", 0, 10.0, 0.604), run("grouped", 0, 4.0, 0.598),
+            run("single", 1, 8.0, 0.610), run("pad128", 1, 9.0, 0.610), run("grouped", 1, 5.0, 0.620),
+            run("single", 2, 7.0, 0.590), run("grouped", 2, 3.5, 0.580)]  # round 2 lost its pad128 run
+    got = bench_report.ratios(runs)["tiny"]
+    assert got["grouped_speedup_vs_pad128"] == pytest.approx({"median": 2.15, "min": 1.8, "max": 2.5, "rounds": 2})
+    assert got["grouped_speedup_vs_dynamic"] == pytest.approx({"median": 2.0, "min": 1.6, "max": 2.25, "rounds": 3})
+    diff = got["grouped_minus_dynamic_accuracy_points"]
+    assert diff["mean"] == pytest.approx((-0.2 + 1.0 - 1.0) / 3) and diff["min"] == pytest.approx(-1.0)
+    text = "\n".join(bench_report.ratio_lines({"ratios": {"tiny": got}}))
+    assert "grouped batches' speed-up over pad-to-128: **2.150x** (min 1.800, max 2.500; 2 interleaved rounds) " \
+           "(goal >= 2.0: met)" in text
+    assert "grouped - dynamic accuracy: **-0.07 points** mean" in text and "goal within 0.5: met" in text
+
+
+def test_schedule_interleaves_the_compared_runs_then_runs_the_strategies_once():
+    got = bench.schedule_runs(("single", "ddp", "zero2", "dataparallel", "loop", "grouped"), repeats=3, n_gpus=0)
+    assert got == [("grouped", 0), ("single", 0), ("loop", 0), ("loop", 1), ("single", 1), ("grouped", 1),
+                   ("grouped", 2), ("single", 2), ("loop", 2), ("ddp", 0), ("zero2", 0), ("dataparallel", 0)]
+    assert bench.schedule_runs(("zero2",), repeats=3, n_gpus=0) == [("zero2", 0)]
+
+
+def test_every_run_gets_the_machine_in_threads_and_grouped_gets_its_flag(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "available_cores", lambda: 8)
+    assert [bench.threads_of(w) for w in (1, 2, 3, 16)] == [8, 4, 2, 1]
+    profile = bench.PROFILES["quick"]
+    for name, round_ in (("grouped", 2), ("pad128", 0), ("ddp", 0)):
+        run = bench.Run(model="tiny", name=name, kind="baseline", round=round_, seed=42 + round_,
+                        threads=bench.threads_of(bench.world_of(name, 0)))
+        command = bench.plan_command(run, bench.TINY, profile, tmp_path / name, tmp_path, "recipes/cls.py", 0)
+        args = dict(zip(command, command[1:]))
+        assert args["--seed"] == str(42 + round_) and args["--cpu_threads"] == str(run.threads)
+        assert args["--config_file"] == f"accelerate_configs/{'ddp' if name == 'ddp' else 'single'}.yaml"
+        assert ("--group_by_length" in command) == (name == "grouped")
+        assert ("--pad_to_max_length" in command) == (name == "pad128")
+        assert "--max_eval_samples" not in command  # the quick profile evaluates the whole validation split
+    assert bench.run_env(3, 1)["OMP_NUM_THREADS"] == "3"
+    assert [bench.run_env(1, world)[bench.COMM_VARIABLE] for world in (1, 2)] == ["0", "1"]
+
+
+def test_epoch_figures_take_all_steps_and_the_padded_tokens():
+    metrics = [{"elapsed": e, "tokens": t, "padded_tokens": p} for e, t, p in ((1.0, 30, 64), (2.5, 50, 64))]
+    assert bench_report.epoch_figures(metrics) == {"epoch_s": 2.5, "padding_efficiency": 80 / 128}
+    assert bench_report.epoch_figures([{"elapsed": 3.0, "tokens": 9}])["padding_efficiency"] is None
 
 
 def test_results_writer_writes_md_json_png_and_the_readme_block(tmp_path):
@@ -144,11 +212,17 @@ def test_results_writer_writes_md_json_png_and_the_readme_block(tmp_path):
     assert json.loads(paths["json"].read_text())["runs"] == results["runs"]
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = paths["md"].read_text()
-    table = [line for line in md.splitlines() if line.startswith("| tiny |")]
-    assert table[0] == ("| tiny | single | 1 | fp32 | 150.0 | 7000 | 0.250 | 0.200 | 17.26 | 17.21 | 1.003 | - | - "
-                        "| - | 1097 | 0.610 | 2.5% |")
-    assert table[1].startswith("| tiny | fsdp | | | failed: ValueError: no FSDP on CPU |")
-    assert "tiny, time per step (p10): recipe / hand-written loop **1.053x**" in md
+    main = md.split("## Results", 1)[1].split("## Communication", 1)[0]
+    table = [line for line in main.splitlines() if line.startswith("| tiny |")]
+    assert table[0] == ("| tiny | single | 1 | 2 | fp32 | 150.0 | 7000 | 0.375 | 0.250 | 0.200 | 17.26 | 17.21 | 1.003 "
+                        "| - | - | - | 1097 | 0.610 | 2.5% |")
+    assert table[1].startswith("| tiny | fsdp | | | | failed: ValueError: no FSDP on CPU |")
+    assert len(table) == 3  # neither round 1 nor the alternate run (ratios only) is in the main table
+    assert "tiny, recipe (accelerate launch) / hand-written loop, separate processes: **1.126x** (min 1.053, max 1.200; " \
+           "2 interleaved rounds)\n" in md
+    assert "recipe / hand-written loop, same process: **0.990x** (min 0.970, max 1.010; 2 rounds in one process) (goal <= 1.03: met)" \
+        in md and "Trainer / recipe, same process: **1.050x**" in md
+    assert "| tiny | 1 | 43 | 12.00 | 10.00 | 0.600 | 0.610 | 2 |" in md  # the rounds table
     assert f"![throughput and memory]({paths['png'].name})" in md
 
     readme = tmp_path / "README.md"
@@ -156,7 +230,7 @@ def test_results_writer_writes_md_json_png_and_the_readme_block(tmp_path):
     assert bench_report.update_readme(readme, results, paths)
     text = readme.read_text()
     assert "old table" not in text and text.startswith("# Title\n\nbefore\n") and text.endswith("after\n")
-    assert "| tiny | single | 1 | fp32 | 150.0 |" in text and "results/2026-01-02_cpu_box.png" in text
+    assert "| tiny | single | 1 | 2 | fp32 | 150.0 |" in text and "results/2026-01-02_cpu_box.png" in text
     readme.write_text("# No markers\n")
     assert not bench_report.update_readme(readme, results, paths)
     assert readme.read_text() == "# No markers\n"
@@ -165,7 +239,9 @@ def test_results_writer_writes_md_json_png_and_the_readme_block(tmp_path):
 def test_rerender_recomputes_throughput_and_ratios_from_the_run_records(tmp_path):
     results = fake_results()
     for run in results["runs"]:
-        run_dir = tmp_path / run["name"]
+        if run["status"] != "ok":
+            continue
+        run_dir = tmp_path / f"{run['name']}_{run['round']}"
         run_dir.mkdir()
         run["run_dir"] = str(run_dir)
         step = 0.5 if run["name"] == "single" else 0.4
@@ -176,7 +252,8 @@ def test_rerender_recomputes_throughput_and_ratios_from_the_run_records(tmp_path
     got = bench_report.rerender(path)
     single = next(r for r in got["runs"] if r["name"] == "single")
     assert single["fast_step_time_s"] == pytest.approx(0.5) and single["samples_per_s"] == pytest.approx(64.0)
-    assert got["ratios"]["tiny"]["recipe_vs_hand_loop_time"] == pytest.approx(0.5 / 0.4)
+    assert single["epoch_s"] == pytest.approx(3.0 + 39 * 0.5)
+    assert got["ratios"]["tiny"]["recipe_vs_hand_loop_time"]["median"] == pytest.approx(22.5 / 18.6)
 
 
 @pytest.mark.multiproc

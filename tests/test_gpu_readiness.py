@@ -294,9 +294,9 @@ def test_gpu_runs_get_pinned_prefetched_batches_and_non_blocking_copies(monkeypa
         torch.set_float32_matmul_precision(before)
 
 
-def test_offload_configs_get_deepspeed_cpu_adam_with_the_machines_cores(monkeypatch):
+def test_offload_configs_get_deepspeed_cpu_adam_in_adamw_mode():
     """ZeRO-Offload refuses torch's AdamW (zero_force_ds_cpu_optimizer defaults to true in DeepSpeed 0.19.8): the
-    offload configs get DeepSpeed's CPU Adam in AdamW mode, with cores / local processes threads."""
+    offload configs get DeepSpeed's CPU Adam in AdamW mode."""
     offload = json.loads((REPO / "ds_configs" / "zero2_offload.json").read_text())
     assert "zero_force_ds_cpu_optimizer" not in offload
     plugin = SimpleNamespace(deepspeed_config=offload)
@@ -309,14 +309,38 @@ def test_offload_configs_get_deepspeed_cpu_adam_with_the_machines_cores(monkeypa
     plain = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(
         deepspeed_config=json.loads((REPO / "ds_configs" / "zero2.json").read_text()))))
     assert type(strategy.make_optimizer(plain, groups, 1e-3)) is torch.optim.AdamW
-    threads = torch.get_num_threads()
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+
+
+@pytest.mark.parametrize("device, ds_json, requested, omp, local, cores, expected", [
+    ("cpu", None, 0, "1", "1", 2, 2),  # accelerate launch's OMP_NUM_THREADS=1 default: the machine's cores
+    ("cpu", None, 0, "1", "2", 2, 1),  # two processes on two cores: one each
+    ("cpu", None, 0, None, "3", 16, 5),  # plain python (no OMP_NUM_THREADS), three local processes
+    ("cpu", None, 0, "3", "2", 16, 3),  # the user's OMP_NUM_THREADS (above 1) is kept
+    ("cpu", None, 4, "1", "2", 2, 4),  # --cpu_threads wins
+    ("cuda", "zero2_offload.json", 0, "1", "2", 16, 8),  # GPU run, optimizer step on CPU: CPU Adam gets the cores
+    ("cuda", "zero2.json", 0, "1", "2", 16, None),  # GPU run, optimizer on GPU: left alone
+    ("cuda", None, 4, "1", "1", 16, None),
+])
+def test_cpu_threads_follow_the_machine_unless_the_user_chose(monkeypatch, device, ds_json, requested, omp, local,
+                                                              cores, expected):
+    """accelerate launch 1.15.0 gives every process OMP_NUM_THREADS=1 unless the config says use_cpu: a CPU run would
+    train on one core. set_cpu_threads gives each process cores / local processes, or what the user asked for."""
+    config = json.loads((REPO / "ds_configs" / ds_json).read_text()) if ds_json else None
+    plugin = config and SimpleNamespace(deepspeed_config=config)
+    accelerator = SimpleNamespace(device=torch.device(device), state=SimpleNamespace(deepspeed_plugin=plugin))
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    monkeypatch.setattr(strategy, "available_cores", lambda: cores)
+    before = torch.get_num_threads()
     try:
-        strategy.set_cpu_threads(accelerator)
-        assert torch.get_num_threads() == 8
+        torch.set_num_threads(7)  # a value no case expects: "left alone" must keep it
+        got = strategy.set_cpu_threads(accelerator, requested)
+        assert got == torch.get_num_threads() == (7 if expected is None else expected)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("n_gpus", range(1, 9))
