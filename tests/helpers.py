@@ -18,10 +18,12 @@ REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 TINY = REPO / "artifacts" / "tiny-roberta"
-# Small, fast defaults for recipe runs in tests: a few hundred samples, fp32 on CPU, exact eval count 101.
+# Small, fast defaults for recipe runs in tests: a few hundred samples, fp32 on CPU, exact eval count 101, one thread
+# per process (make test runs two test files at once on 2 cores; one-process and two-process runs then compute with
+# the same matmul blocking, as the reference figures in README were measured).
 TINY_FLAGS = ["--model_name_or_path", str(TINY), "--max_train_samples", "256", "--max_eval_samples", "101",
               "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "16",
-              "--learning_rate", "1e-3", "--ddp_timeout", "120"]
+              "--learning_rate", "1e-3", "--ddp_timeout", "120", "--cpu_threads", "1"]
 
 # The parity runs: 8 optimizer steps of 2 x 8 samples, every rank's samples and state recorded. DDP with these flags
 # is the one reference that test_strategies (shipped ddp.yaml, parity) and test_tutorials (torchrun, checkpointing)

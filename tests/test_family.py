@@ -263,6 +263,7 @@ BAD_FLAGS = {
     "validation split 1.5": (["--validation_split", "1.5"], "--validation_split 1.5 must be between 0 and 1"),
     "checkpointing abc": (["--checkpointing_steps", "abc"], "--checkpointing_steps 'abc' must be"),
     "zero epochs": (["--num_train_epochs", "0"], "--num_train_epochs 0 must be >= 1"),
+    "negative threads": (["--cpu_threads", "-2"], "--cpu_threads -2 must be >= 0 (0: chosen from the machine)"),
     "unknown task": (["--task_name", "mnlii"], "unknown --task_name 'mnlii' (known: cola, sst2"),
     "unknown problem type": (["--problem_type", "ordinal"], "unknown --problem_type 'ordinal'"),
     "task vs problem type": (["--task_name", "stsb", "--problem_type", "multi_label"], "contradicts --task_name"),

@@ -18,7 +18,7 @@ import torch
 
 from helpers import (ACCELERATE, PARITY_FLAGS, REPO, TINY_FLAGS, eval_loader, fp32_launch_args, free_port, kill_group,
                      losses, no_gpu, rank_records, read_jsonl, run_recipe)
-from recipes import cls
+from recipes import cls, strategy
 from recipes.metrics import load_metrics
 
 pytestmark = [pytest.mark.multiproc, no_gpu]  # CPU rehearsal: gloo, FSDP on CPU, MULTI_CPU expected
@@ -56,8 +56,12 @@ def test_shipped_config_trains_to_completion(request, tmp_path, config):
         tmp_path = request.getfixturevalue("ddp_parity_reference")
     else:
         request.getfixturevalue("tiny_model")
-        run_recipe(tmp_path, *PARITY_FLAGS, config=config)
+        # --cpu_threads 0 (the default; the tests pin 1): accelerate launch's OMP_NUM_THREADS=1 is overridden by the
+        # machine's cores / the processes on it
+        run_recipe(tmp_path, *PARITY_FLAGS, "--cpu_threads", "0", config=config)
     resolved = json.loads((tmp_path / "run_config.json").read_text())
+    world = 1 if config == "single.yaml" else 2
+    assert resolved["cpu_threads"] == (1 if config == "ddp.yaml" else max(1, strategy.available_cores() // world))
     expected_type = {"single.yaml": "NO", "ddp.yaml": "MULTI_CPU", "fsdp.yaml": "FSDP"}.get(config, "DEEPSPEED")
     assert resolved["distributed_type"] == expected_type
     assert resolved["world_size"] == (1 if config == "single.yaml" else 2)
