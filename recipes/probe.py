@@ -4,7 +4,9 @@ One `Probe` per process. It does nothing unless `--record_ranks` (per-rank recor
 `CLS_FAULT=<where>:<step>:<rank>` (SIGKILL that rank after optimizer step N, or while saving checkpoint N) asks for
 it. The training loop calls it at three points: `batch` (each micro-batch), `step` (each optimizer step) and
 `finish` (after training); `save_checkpoint` calls `saved`. Inert, each call returns at once and the batches carry no
-sample ids.
+sample ids. One more point is for the benchmark only: an in-process harness may set `Probe.step_hook` to a
+callable that `step` calls with the step number (scripts/bench_baselines.py `alternate` takes turns there with other
+training loops in the same process); it is None in every launch.
 
 With --record_ranks each rank writes ranks/rank<i>.json: the ids of the training examples it saw, micro-batch by
 micro-batch; a float64 sum of each parameter as the rank holds it; the dtypes the first Linear computed in and the
@@ -35,6 +37,8 @@ COMM_STEPS = range(3, 7)
 
 
 class Probe:
+    step_hook = None  # set by an in-process harness only (see the module docstring)
+
     def __init__(self, record: bool, rank: int, fault: str | None = None, count_comm: bool = False):
         self.record, self.rank, self.fault = record, rank, fault
         self.count_comm = record and count_comm
@@ -92,6 +96,8 @@ class Probe:
         self.last_step = step
         self._stop_counting(step)
         self._maybe_die("step", step)
+        if Probe.step_hook is not None:
+            Probe.step_hook(step)
 
     def _stop_counting(self, step: int) -> None:
         counter, self.counter = self.counter, None

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 
-def append_jsonl(path: Path, record: dict) -> None:
+def append_jsonl(path: Path, *records: dict) -> None:
     with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write("".join(json.dumps(record) + "\n" for record in records))
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -97,12 +97,15 @@ class StepLog:
         if not self.pending:
             return
         values = torch.stack([v for _, v in self.pending]).tolist()
+        kept = []
         for (info, _), (loss_total, tokens, padded, grad_norm) in zip(self.pending, values):
             record = {**info, "loss": loss_total / info["samples"], "tokens": int(tokens), "padded_tokens": int(padded),
                       "grad_norm": grad_norm}
             self.accelerator.log({"train/loss": record["loss"], "train/lr": info["lr"],
                                   "train/grad_norm": grad_norm}, step=info["step"])
-            if self.accelerator.is_main_process:
-                append_jsonl(self.path, record)
-        self.progress.set_postfix(loss=f"{record['loss']:.4f}", epoch=record["epoch"])
+            kept.append(record)
+        if self.accelerator.is_main_process:
+            append_jsonl(self.path, *kept)  # one write per flush
+        # Shown at the bar's next update: refreshing here would redraw it a second time at every flush.
+        self.progress.set_postfix(loss=f"{record['loss']:.4f}", epoch=record["epoch"], refresh=False)
         self.pending.clear()

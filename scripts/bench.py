@@ -11,9 +11,9 @@ Runs per model: the recipe under each shipped strategy config (multi-process one
 `python recipes/cls.py --data_parallel` where more than one GPU is visible, and four baselines on one process:
 a hand-written PyTorch loop and transformers.Trainer (scripts/bench_baselines.py), the recipe padding every batch to
 128 tokens (--pad_to_max_length) instead of to the longest sequence, and the recipe with length-grouped batches
-(--group_by_length); and `alternate`, the recipe, the loop and Trainer trained in turn inside one process
-(scripts/bench_baselines.py alternate), the basis of the overhead ratios. A launch that fails is reported with its
-error and skipped.
+(--group_by_length); and `alternate`, the recipe, the loop and Trainer in three threads of one process, taking
+turns every 5 optimizer steps (scripts/bench_baselines.py alternate), the basis of the overhead ratios. A launch that
+fails is reported with its error and skipped.
 
 The one-process runs that the ratios compare (COMPARED) run in interleaved rounds, A B C D E, E D C B A, ..., round r
 with seed 42 + r, so that a change of load on the machine hits every side alike; each ratio is taken within a round
@@ -83,6 +83,7 @@ class Profile:
     max_world: int = 8  # GPUs a multi-process run uses at most
     eval_samples: Optional[int] = None  # validation examples; None: the whole validation split
     repeats: int = 4  # interleaved rounds of the COMPARED runs (seed 42 + round); the ratios are medians over them
+    alternate_rounds: int = 6  # epochs of the `alternate` run, each (steps - warm-up) / 5 blocks of 5 steps per side
     run_timeout: int = 900  # seconds before a run is killed and reported as timed out
 
 
@@ -135,7 +136,7 @@ class Run:
     model_flops_per_s: Optional[float] = None  # 6 x parameters x real tokens/s, plus attention
     mfu: Optional[float] = None  # model FLOP/s over the device's peak (GPU table, or the CPU's measured matmul peak)
     env: dict = field(default_factory=dict)  # variables this run adds to the shared environment
-    alternate: list = field(default_factory=list)  # `alternate`: per round, seconds per epoch of recipe, loop, Trainer
+    alternate: list = field(default_factory=list)  # `alternate`: per block of steps, seconds of recipe, loop, Trainer
 
 
 def free_port() -> int:
@@ -173,7 +174,8 @@ def plan_command(run: Run, spec: ModelSpec, profile: Profile, run_dir: Path, run
     shared += ["--random_init"] if spec.random_init else []
     if run.name == "alternate":  # only its epoch times are reported: a small evaluation
         return [PYTHON, "scripts/bench_baselines.py", "alternate", *shared, "--batch_size", str(batch),
-                "--precision", spec.precision, "--rounds", str(profile.repeats), "--max_eval_samples", "64"]
+                "--precision", spec.precision, "--rounds", str(profile.alternate_rounds), "--max_eval_samples", "64",
+                "--warmup_steps", str(profile.warmup_steps)]
     shared += ["--max_eval_samples", str(profile.eval_samples)] if profile.eval_samples else []
     if run.name in ("loop", "trainer"):
         return [PYTHON, "scripts/bench_baselines.py", run.name, *shared, "--batch_size", str(batch),
@@ -259,7 +261,10 @@ def strategy_of(run: Run) -> str:
 def collect(run: Run, run_dir: Path, profile: Profile, shape: memory_model.ModelShape) -> None:
     """Throughput, accuracy, memory (measured vs predicted) and the resolved config of a finished run."""
     if run.name == "alternate":
-        run.alternate = json.loads((run_dir / "alternate.json").read_text())["epoch_s"]
+        turns = json.loads((run_dir / "alternate.json").read_text())
+        if not turns["same_batches"]:
+            run.status, run.reason = "failed", "alternate: the recipe, the loop and Trainer computed different batches"
+        run.alternate = turns["blocks"]
         return
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     if len(metrics) != profile.steps:

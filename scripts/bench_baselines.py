@@ -13,16 +13,21 @@ dynamic padding. The loop also draws the recipe's batches (its EvenShardBatchSam
 generator included, so in fp32 on CPU it logs the single-process recipe's losses step for step. The Trainer shuffles
 with its own sampler, which with the same seed happens to deal the same batches; its dropout stream differs.
 
-`alternate` trains the recipe (recipes.cls.main, as `python recipes/cls.py` runs it), the loop and Trainer in turn
-inside one process, --rounds times (A B C, C B A, ...), and writes the seconds of each epoch to alternate.json:
-separate processes on a shared VM differ in speed by up to 40% for the same work (where their memory and threads
-land), so the overhead of one over another is measured where all three share one process.
+`alternate` measures the recipe's overhead where nothing else differs: the recipe (recipes.cls.main, as
+`python recipes/cls.py` runs it), the loop and Trainer train in three threads of one process, taking turns every
+--block optimizer steps (Baton), --rounds epochs each, and alternate.json gets the seconds of each block of steps of
+each: separate processes on a shared VM differ in speed by up to 40% for the same work, and even one process's epoch
+time drifts by 50% over minutes, so only sides that share the process, the batches and the same few seconds compare.
+The recipe takes its turns through `Probe.step_hook` (recipes/probe.py), the loop and Trainer through `on_step`.
+Trainer logs every step to TensorBoard, as the recipe does. The threads share the global RNG, so dropout draws differ
+from a run alone; the batches must not (alternate.json `same_batches` compares their padded sizes step by step).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -40,7 +45,9 @@ from scripts.bench_report import round_order
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("kind", choices=("loop", "trainer", "alternate"))
-    parser.add_argument("--rounds", type=int, default=4, help="alternate: epochs of each, in turn")
+    parser.add_argument("--rounds", type=int, default=4, help="alternate: epochs of each")
+    parser.add_argument("--block", type=int, default=5, help="alternate: optimizer steps per turn")
+    parser.add_argument("--warmup_steps", type=int, default=10, help="alternate: steps not timed (a --block multiple)")
     parser.add_argument("--model_name_or_path", required=True)
     parser.add_argument("--random_init", action="store_true", help="architecture from its config, no weights")
     parser.add_argument("--output_dir", required=True)
@@ -60,8 +67,8 @@ def recipe_config(args) -> Config:
                   per_device_train_batch_size=args.batch_size, learning_rate=args.learning_rate, seed=args.seed)
 
 
-def hand_loop(cfg, device, train_ds, eval_ds, collate, names, precision):
-    """Returns (per-step records, accuracy, model, optimizer)."""
+def hand_loop(cfg, device, train_ds, eval_ds, collate, names, precision, on_step=None):
+    """Returns (per-step records, accuracy, model, optimizer); `on_step(step)` after each optimizer step."""
     set_seed(cfg.seed)
     model = build_model(cfg, names).to(device)
     steps = len(train_ds) // cfg.per_device_train_batch_size
@@ -91,6 +98,8 @@ def hand_loop(cfg, device, train_ds, eval_ds, collate, names, precision):
         log.append({"step": step, "loss": loss.item(), "lr": lr, "samples": len(labels),
                     "tokens": int(batch["attention_mask"].sum()), "padded_tokens": batch["attention_mask"].numel(),
                     "elapsed": time.perf_counter() - start})
+        if on_step is not None:
+            on_step(step)
     model.eval()
     correct = 0
     eval_loader = torch.utils.data.DataLoader(eval_ds, batch_size=cfg.per_device_eval_batch_size, collate_fn=collate)
@@ -105,8 +114,8 @@ def hand_loop(cfg, device, train_ds, eval_ds, collate, names, precision):
 class StepClock(TrainerCallback):
     """Time and loss of every optimizer step, on the recipe's clock (from the start of training)."""
 
-    def __init__(self):
-        self.start, self.elapsed, self.losses = None, [], []
+    def __init__(self, on_step=None):
+        self.start, self.elapsed, self.losses, self.on_step = None, [], [], on_step
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.start = time.perf_counter()
@@ -115,13 +124,15 @@ class StepClock(TrainerCallback):
         if torch.cuda.is_available():  # the step's kernels are queued, not done: time them done, as the loop's
             torch.cuda.synchronize()
         self.elapsed.append(time.perf_counter() - self.start)
+        if self.on_step is not None:
+            self.on_step(state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.losses.append((logs["loss"], logs.get("learning_rate")))
 
 
-def hf_trainer(cfg, device, train_ds, eval_ds, collate, names, precision):
+def hf_trainer(cfg, device, train_ds, eval_ds, collate, names, precision, on_step=None):
     tokens = []  # the collator sees every batch in training order; a prefetched batch only runs ahead
 
     def counting_collate(features):
@@ -137,8 +148,8 @@ def hf_trainer(cfg, device, train_ds, eval_ds, collate, names, precision):
         per_device_eval_batch_size=cfg.per_device_eval_batch_size, max_steps=steps, learning_rate=cfg.learning_rate,
         weight_decay=cfg.weight_decay, warmup_steps=int(cfg.warmup_ratio * steps), lr_scheduler_type="linear",
         max_grad_norm=cfg.max_grad_norm, optim="adamw_torch", seed=cfg.seed, bf16=precision == "bf16", use_cpu=device.type == "cpu", logging_strategy="steps", logging_steps=1,
-        save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0)
-    clock = StepClock()
+        save_strategy="no", eval_strategy="no", report_to="tensorboard", disable_tqdm=True, dataloader_num_workers=0)
+    clock = StepClock(on_step)
     trainer = Trainer(model=model, args=training_args, train_dataset=train_ds, data_collator=counting_collate,
                       callbacks=[clock])
     trainer.train()
@@ -152,9 +163,79 @@ def hf_trainer(cfg, device, train_ds, eval_ds, collate, names, precision):
     return steps, accuracy, trainer.model, trainer.optimizer
 
 
+class Baton:
+    """Training loops in threads of one process take turns: one runs a block of `block` optimizer steps while the
+    others wait, then hands over; the order rotates every cycle (A B C, B C A, C A B, ...).
+
+    Each loop calls `step(name, step)` after every optimizer step. The seconds of every step after `warmup` are
+    measured from the end of the previous step, or from the moment the loop got its turn, so waiting is never
+    counted; block c of every loop covers the same steps (c * block + 1 ...), so loops compare block by block on
+    the same batches at nearly the same moment, and a machine whose speed drifts over seconds slows both alike.
+    """
+
+    def __init__(self, names: list, block: int, warmup: int, timeout: float = 900.0):
+        self.names, self.block, self.warmup, self.timeout = list(names), block, warmup, timeout
+        self.active, self.cycle = list(names), 0
+        self.holder, self.pending = self.names[0], self.names[1:]  # whose turn it is; who follows in this cycle
+        self.cond = threading.Condition()
+        self.since: dict = {}
+        self.seconds: dict = {name: {} for name in names}  # name -> {step: seconds}
+
+    def wait_turn(self, name: str) -> None:
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.holder == name, timeout=self.timeout):
+                raise RuntimeError(f"alternate: {name} waited {self.timeout:.0f} s for its turn")
+        self.since[name] = time.perf_counter()
+
+    def hand_over(self, name: str, leaving: bool = False) -> None:
+        with self.cond:
+            if leaving:
+                self.active.remove(name)
+                self.pending = [n for n in self.pending if n != name]
+            if self.holder == name:
+                if not self.pending and self.active:  # a new cycle, its order rotated by one
+                    self.cycle += 1
+                    k = self.cycle % len(self.active)
+                    self.pending = self.active[k:] + self.active[:k]
+                self.holder = self.pending.pop(0) if self.pending else None
+            self.cond.notify_all()
+
+    def step(self, name: str, step: int) -> None:
+        now = time.perf_counter()
+        if step > self.warmup:
+            self.seconds[name][step] = now - self.since[name]
+        self.since[name] = now
+        if step % self.block == 0:
+            self.hand_over(name)
+            self.wait_turn(name)
+
+    def run(self, name: str, work) -> None:
+        """Run `work()` in this thread in turns; on its end or error, hand the turn on for good."""
+        try:
+            self.wait_turn(name)
+            work()
+        finally:
+            self.hand_over(name, leaving=True)
+
+    def blocks(self, last_step: int) -> list:
+        """Per block of steps: the seconds of each loop over the same steps (the warm-up and the last step, which
+        holds the recipe's evaluation, left out)."""
+        out = []
+        first = self.warmup + 1
+        while first < last_step:
+            steps = range(first, min(first + self.block, last_step))
+            if all(s in self.seconds[n] for n in self.names for s in steps):
+                out.append({"steps": [steps[0], steps[-1]],
+                            **{n: sum(self.seconds[n][s] for s in steps) for n in self.names}})
+            first += self.block
+        return out
+
+
 def alternate(args, cfg, device, train_ds, eval_ds, collate, names) -> None:
-    """The recipe, the loop and Trainer, an epoch each in turn, --rounds times; alternate.json: seconds per epoch."""
+    """The recipe, the loop and Trainer in three threads of this process, taking turns every --block steps, for
+    --rounds epochs each; alternate.json: the seconds of each block of steps of each."""
     from recipes.cls import main as recipe_main, parse_config
+    from recipes.probe import Probe
 
     out = Path(args.output_dir)
     recipe_flags = ["--model_name_or_path", args.model_name_or_path, "--seed", str(args.seed),
@@ -163,21 +244,54 @@ def alternate(args, cfg, device, train_ds, eval_ds, collate, names) -> None:
                     "--cpu_threads", str(torch.get_num_threads())]
     recipe_flags += ["--max_eval_samples", str(args.max_eval_samples)] if args.max_eval_samples else []
     recipe_flags += ["--random_init"] if args.random_init else []
-
-    def recipe():
-        run_dir = out / "recipe"
-        recipe_main(parse_config([*recipe_flags, "--output_dir", str(run_dir)]))
-        return records.read_jsonl(run_dir / "metrics.jsonl")[-1]["elapsed"]
-
-    def baseline(run):
-        return lambda: run(cfg, device, train_ds, eval_ds, collate, names, args.precision)[0][-1]["elapsed"]
-
-    kinds = {"recipe": recipe, "loop": baseline(hand_loop), "trainer": baseline(hf_trainer)}
-    rounds = []
+    steps = len(train_ds) // args.batch_size
+    blocks, same_batches = [], True
     for r in range(args.rounds):
-        rounds.append({kind: kinds[kind]() for kind in round_order(list(kinds), r)})
-        print(f"alternate round {r}: " + ", ".join(f"{k} {v:.3f} s" for k, v in rounds[-1].items()), flush=True)
-    (out / "alternate.json").write_text(json.dumps({"epoch_s": rounds, "threads": torch.get_num_threads()}) + "\n")
+        baton = Baton(round_order(["recipe", "loop", "trainer"], r), args.block, args.warmup_steps)
+        tokens: dict = {}
+        run_dir = out / f"recipe_r{r}"
+
+        def recipe():
+            Probe.step_hook = lambda step: baton.step("recipe", step)
+            try:
+                recipe_main(parse_config([*recipe_flags, "--output_dir", str(run_dir)]))
+            finally:
+                Probe.step_hook = None
+            tokens["recipe"] = [m["padded_tokens"] for m in records.read_jsonl(run_dir / "metrics.jsonl")]
+
+        def baseline(name, run):
+            def work():
+                log = run(cfg, device, train_ds, eval_ds, collate, names, args.precision,
+                          on_step=lambda step: baton.step(name, step))[0]
+                tokens[name] = [m["padded_tokens"] for m in log]
+            return work
+
+        works = {"recipe": recipe, "loop": baseline("loop", hand_loop), "trainer": baseline("trainer", hf_trainer)}
+        errors = []
+
+        def guarded(name):
+            try:
+                baton.run(name, works[name])
+            except BaseException as err:  # noqa: BLE001 - re-raised below, in the main thread
+                errors.append(err)
+
+        threads = [threading.Thread(target=guarded, args=(name,), name=name) for name in baton.names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        # Fair only if all three computed the same batches: the same padded shapes, step by step.
+        same_batches &= tokens["recipe"] == tokens["loop"] == tokens["trainer"]
+        round_blocks = [{"round": r, **b} for b in baton.blocks(steps)]
+        blocks += round_blocks
+        total = {n: sum(b[n] for b in round_blocks) for n in baton.names}
+        print(f"alternate round {r}: {len(round_blocks)} blocks of {args.block} steps, "
+              + ", ".join(f"{k} {v:.3f} s" for k, v in total.items()), flush=True)
+    (out / "alternate.json").write_text(json.dumps({
+        "blocks": blocks, "block_steps": args.block, "warmup_steps": args.warmup_steps, "rounds": args.rounds,
+        "same_batches": same_batches, "threads": torch.get_num_threads()}) + "\n")
 
 
 def main(argv=None) -> None:
@@ -192,6 +306,8 @@ def main(argv=None) -> None:
         sys.exit(f"error: --max_train_samples ({len(train_ds)}) must be a multiple of --batch_size")
     collate = data.Collator(tokenizer, cfg.max_length)
     if args.kind == "alternate":
+        if args.block < 1 or args.warmup_steps % args.block:
+            sys.exit(f"error: --warmup_steps ({args.warmup_steps}) must be a multiple of --block ({args.block})")
         return alternate(args, cfg, device, train_ds, eval_ds, collate, names)
     run = hand_loop if args.kind == "loop" else hf_trainer
     steps, accuracy, model, optimizer = run(cfg, device, train_ds, eval_ds, collate, names, args.precision)

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
 MIB = 1024**2
 # The goals the quick profile is held to (issue 13): medians over rounds, times of the same samples. The overheads
-# are judged in one process (the `alternate` run), where the three share memory placement and threads.
+# are judged in one process (the `alternate` run), where the three take turns every few steps on the same batches.
 GOALS = {"recipe_vs_hand_loop_same_process": ("<=", 1.03), "trainer_vs_recipe_same_process": (">=", 1.0),
          "grouped_speedup_vs_pad128": (">=", 2.0), "grouped_speedup_vs_dynamic": (">=", 1.5)}
 ACCURACY_POINTS = 0.5  # grouped batches may move accuracy by at most this many points (mean over the rounds)
@@ -194,7 +194,8 @@ def ratio_lines(results: dict) -> list:
             r = entry.get(key)
             if not isinstance(r, dict):
                 continue
-            where = "rounds in one process" if key.endswith("same_process") else "interleaved rounds"
+            where = "blocks of steps taken in turn in one process" if key.endswith("same_process") \
+                else "interleaved rounds"
             lines.append(f"- {model}, {text}: **{r['median']:.3f}x** (min {r['min']:.3f}, max {r['max']:.3f}; "
                          f"{r['rounds']} {where})"
                          f"{goal_text(key, r['median'])}")
@@ -262,7 +263,9 @@ def render_markdown(results: dict, chart_name: str) -> str:
               "shared out). real/padded: real tokens / padded tokens, the share of computed positions that hold text. "
               "s/step: median time of one optimizer step after the warm-up; p10: its 10th percentile. samples/s and "
               "tokens/s: totals over all steps after the warm-up (tokens: non-pad). The ratios below compare the "
-              "seconds of the whole epoch within each interleaved round. MFU: model FLOP/s (6 x parameters x "
+              "seconds of the whole epoch within each interleaved round, except the same-process ones: the recipe, "
+              "the loop and Trainer in threads of one process taking turns every 5 steps on the same batches, "
+              "compared block by block (scripts/bench_baselines.py alternate). MFU: model FLOP/s (6 x parameters x "
               "tokens/s, plus attention) over the peak of the devices the run used: the data-sheet peak of the GPU, "
               "or on CPU the best rate of a 1024 x 1024 matmul on the run's threads"
               + (" (" + ", ".join(f"{k}: {v / 1e9:.1f} GFLOP/s" for k, v in results["peak_flops"].items()) + ")"

@@ -220,8 +220,8 @@ def test_results_writer_writes_md_json_png_and_the_readme_block(tmp_path):
     assert len(table) == 3  # neither round 1 nor the alternate run (ratios only) is in the main table
     assert "tiny, recipe (accelerate launch) / hand-written loop, separate processes: **1.126x** " \
            "(min 1.053, max 1.200; 2 interleaved rounds)\n" in md
-    assert "recipe / hand-written loop, same process: **0.990x** (min 0.970, max 1.010; 2 rounds in one process) " \
-           "(goal <= 1.03: met)" in md and "Trainer / recipe, same process: **1.050x**" in md
+    assert "recipe / hand-written loop, same process: **0.990x** (min 0.970, max 1.010; 2 blocks of steps taken in " \
+           "turn in one process) (goal <= 1.03: met)" in md and "Trainer / recipe, same process: **1.050x**" in md
     assert "| tiny | 1 | 43 | 12.00 | 10.00 | 0.600 | 0.610 | 2 |" in md  # the rounds table
     assert f"![throughput and memory]({paths['png'].name})" in md
 
@@ -269,3 +269,89 @@ def test_bench_smoke_on_the_tiny_model(tiny_model, tmp_path):
         assert abs(row["memory_ratio"] - 1) < 0.10, (name, row["breakdown"])
         assert row["run_config"]["total_optimizer_steps"] == 4 and 0 <= row["accuracy"] <= 1
     assert rows["zero2"]["world"] == 2 and rows["zero2"]["ds_config"]["bf16"]["enabled"] is False
+
+
+def test_baton_takes_turns_in_rotating_order_and_times_no_waiting(monkeypatch):
+    """Three loops in threads, blocks of 2 steps after 2 warm-up steps; a fake clock that only the running loop
+    advances (by its own cost per step): every timed step must record exactly its loop's cost, never another's."""
+    from scripts import bench_baselines
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(bench_baselines.time, "perf_counter", lambda: clock["now"])
+    cost, steps = {"a": 1.0, "b": 10.0, "c": 100.0}, {"a": 9, "b": 9, "c": 5}
+    baton = bench_baselines.Baton(["a", "b", "c"], block=2, warmup=2, timeout=30)
+    turns, running = [], []
+
+    def work(name):
+        for step in range(1, steps[name] + 1):
+            running.append(name)
+            assert running == [name], running  # nobody else runs inside a turn
+            if step % 2 == 1:  # the first step of a turn
+                turns.append(name)
+            clock["now"] += cost[name]
+            running.remove(name)
+            baton.step(name, step)
+
+    threads = [bench_baselines.threading.Thread(target=baton.run, args=(n, lambda n=n: work(n))) for n in "abc"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    # cycles rotate a b c, b c a, c a b; c leaves after its 3rd turn (5 steps); then b a, a b
+    assert turns == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "b", "a", "a", "b"]
+    assert {n: sorted(s) for n, s in baton.seconds.items()} == {
+        "a": list(range(3, 10)), "b": list(range(3, 10)), "c": [3, 4, 5]}
+    assert all(v == cost[n] for n, s in baton.seconds.items() for v in s.values())
+    # blocks every loop finished, last step (the recipe's evaluation) left out: steps 3-4 only (c stops at 5)
+    assert baton.blocks(last_step=5) == [{"steps": [3, 4], "a": 2.0, "b": 20.0, "c": 200.0}]
+
+
+def test_baton_hands_the_turn_on_when_a_loop_fails():
+    from scripts import bench_baselines
+
+    baton = bench_baselines.Baton(["bad", "good"], block=1, warmup=0, timeout=30)
+    done, errors = [], []
+
+    def bad():
+        baton.step("bad", 1)
+        raise ValueError("boom")
+
+    def good():
+        for step in range(1, 4):
+            baton.step("good", step)
+        done.append(True)
+
+    def guarded(name, work):
+        try:
+            baton.run(name, work)
+        except ValueError as err:
+            errors.append(str(err))
+
+    threads = [bench_baselines.threading.Thread(target=guarded, args=a) for a in (("bad", bad), ("good", good))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert errors == ["boom"] and done == [True] and sorted(baton.seconds["good"]) == [1, 2, 3]
+
+
+def test_alternate_runs_recipe_loop_and_trainer_on_the_same_batches(tiny_model, tmp_path):
+    """The `alternate` run for real, tiny: 2 rounds of 8 steps in blocks of 2 after 2 warm-up steps."""
+    import subprocess
+
+    from helpers import PYTHON, REPO
+
+    out = tmp_path / "alt"
+    subprocess.run([PYTHON, "scripts/bench_baselines.py", "alternate", "--model_name_or_path", str(tiny_model),
+                    "--output_dir", str(out), "--max_train_samples", "64", "--batch_size", "8", "--rounds", "2",
+                    "--block", "2", "--warmup_steps", "2", "--max_eval_samples", "16"],
+                   cwd=REPO, check=True, capture_output=True, timeout=600)
+    got = json.loads((out / "alternate.json").read_text())
+    assert got["same_batches"] is True and got["block_steps"] == 2 and got["rounds"] == 2
+    # steps 3..7 timed (8 is the last), in blocks 3-4, 5-6 and 7: per round 3 blocks
+    expected = [(r, s) for r in (0, 1) for s in ([3, 4], [5, 6], [7, 7])]
+    assert [(b["round"], b["steps"]) for b in got["blocks"]] == expected
+    assert all(b[n] > 0 for b in got["blocks"] for n in ("recipe", "loop", "trainer"))
+    for r in (0, 1):  # the recipe really ran, as a user's run: its records, every step
+        assert len([json.loads(x) for x in (out / f"recipe_r{r}" / "metrics.jsonl").read_text().splitlines()]) == 8
