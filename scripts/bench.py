@@ -1,6 +1,6 @@
 """Every strategy side by side on the same work, against the baselines users would pick instead.
 
-    make bench                 # quick: the tiny model in fp32, every strategy + baselines (~17 min on 2 CPU cores)
+    make bench                 # quick: the tiny model in fp32, every strategy + baselines (11-17 min on 2 CPU cores)
     make bench BENCH=full      # + roberta-base and roberta-large shapes (random init) in bf16, for GPU machines
 
 Each run trains the same data, seed, number of optimizer steps and effective batch; throughput counts the steps after
