@@ -7,7 +7,7 @@ OUT     ?= runs/demo
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: demo pairs test venv offline-model bench clean
+.PHONY: demo pairs test venv offline-model bench clean gpu-wheels gpu-check
 
 venv: .venv/.installed
 .venv/.installed: pyproject.toml
@@ -39,6 +39,22 @@ test: offline-model
 
 bench: offline-model
 	$(PY) scripts/bench.py --profile $(or $(BENCH),quick)
+
+# On a connected machine: the pinned stack but torch as wheels in .whl/ for a GPU machine without network (about
+# 43 MiB for Python 3.12). GPU_WHEELS_SKIP replaces the list of packages the GPU machine has (scripts/gpu_wheels.py).
+GPU_WHEELS_PYTHON ?= 3.12
+GPU_WHEELS_PLATFORM ?= manylinux_2_28_x86_64
+gpu-wheels: venv
+	$(PY) scripts/gpu_wheels.py --python-version $(GPU_WHEELS_PYTHON) --platform $(GPU_WHEELS_PLATFORM) \
+		$(if $(filter-out undefined,$(origin GPU_WHEELS_SKIP)),--skip $(GPU_WHEELS_SKIP))
+
+# On the GPU machine, with the checkout and .whl/: every shipped config on its GPUs against an fp32 reference, in
+# parts of at most GPU_CHECK_BUDGET seconds per invocation: run it again until it says done (scripts/gpu_check.py).
+# Without torch or a CUDA GPU under GPU_PYTHON it says so in one line and does nothing. No .venv needed here.
+GPU_PYTHON ?= python3
+GPU_CHECK_BUDGET ?= 420
+gpu-check:
+	@$(GPU_PYTHON) scripts/gpu_check.py --budget $(GPU_CHECK_BUDGET) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf runs artifacts

@@ -30,6 +30,8 @@ class ResumePoint:
     path: Optional[Path] = None  # the checkpoint folder; None for a fresh start
     saved_world: int = 1  # the number of processes that wrote it
     length_group: int = 0  # its --group_by_length group (global batch) that ordered the epoch; 0: a plain permutation
+    skipped_steps: int = 0  # optimizer steps skipped on fp16 overflow before the checkpoint (their windows count)
+    cuda_devices: Optional[list] = None  # the local CUDA device index of each saving rank; None: not recorded
 
 
 def check_shared_output_dir(accelerator, out: Path) -> None:
@@ -94,14 +96,31 @@ def save_checkpoint(accelerator, out: Path, state: dict, probe) -> None:
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
     probe.saved(state["step"])
+    devices = local_cuda_devices(accelerator)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
+        (tmp / "trainer_state.json").write_text(json.dumps({**state, "cuda_devices": devices}, indent=2) + "\n")
         shutil.rmtree(root / name, ignore_errors=True)
         tmp.rename(root / name)
         (root / "latest.tmp").write_text(name + "\n")
         os.replace(root / "latest.tmp", root / "latest")
     accelerator.wait_for_everyone()
+
+
+def local_cuda_devices(accelerator) -> list:
+    """The CUDA device index each rank computes on, by rank (None on CPU); a collective: every rank calls it.
+
+    Accelerate 1.15.0 saves every visible device's CUDA generator state in each rank's random_states_<rank>.pkl, by
+    device number (`torch.cuda.get_rng_state_all`), and restores them by number: on another layout of GPUs per
+    machine (2 x 4 -> 1 x 8, or back) rank r sits on another device number than when it saved, so its own stream is
+    found only through the number it had then.
+    """
+    mine = torch.cuda.current_device() if torch.cuda.is_available() else None
+    if accelerator.num_processes == 1:
+        return [mine]
+    from accelerate.utils import gather_object
+
+    return gather_object([mine])
 
 
 def find_checkpoint(cfg, world_size: int) -> ResumePoint:
@@ -125,7 +144,8 @@ def find_checkpoint(cfg, world_size: int) -> ResumePoint:
         if not (path / f"random_states_{rank}.pkl").is_file():
             raise RecipeError(f"checkpoint {path} has no RNG state for rank {rank} (random_states_{rank}.pkl)")
     return ResumePoint(step=state["step"], epoch=state["epoch"], samples_in_epoch=state["samples_in_epoch"],
-                       path=path, saved_world=state["world_size"], length_group=state.get("length_group", 0))
+                       path=path, saved_world=state["world_size"], length_group=state.get("length_group", 0),
+                       skipped_steps=state.get("skipped_steps", 0), cuda_devices=state.get("cuda_devices"))
 
 
 def load_checkpoint(accelerator, optimizer, start: ResumePoint, seed: int) -> None:
@@ -146,14 +166,30 @@ def load_checkpoint(accelerator, optimizer, start: ResumePoint, seed: int) -> No
     saved = load(start.path / f"random_states_{rank}.pkl")
     if "torch_manual_seed" not in saved or not torch.equal(saved["torch_manual_seed"], torch.get_rng_state()):
         raise RecipeError(f"checkpoint {start.path}: the CPU RNG state of rank {rank} was not restored")
-    # GPU dropout draws from the CUDA generator of the current device, which Accelerate restores in the same
-    # try/except (saved as "torch_cuda_manual_seed", one state per visible device, in 1.15.0).
     if torch.cuda.is_available():
-        device = torch.cuda.current_device()
-        states = saved.get("torch_cuda_manual_seed")
-        if states is None or len(states) <= device or not torch.equal(states[device], torch.cuda.get_rng_state(device)):
-            raise RecipeError(f"checkpoint {start.path}: the CUDA RNG state of rank {rank} (cuda:{device}) was not "
-                              "restored")
+        restore_cuda_rng(saved, start, rank)
+
+
+def restore_cuda_rng(saved: dict, start: ResumePoint, rank: int) -> None:
+    """Put the CUDA generator state rank `rank` saved onto the device it computes on now, and check it.
+
+    GPU dropout draws from the generator of the current device. Accelerate 1.15.0 restores the saved states by
+    device number, inside a try/except that swallows errors (`load_accelerator_state`): with another number of GPUs
+    per machine a rank would continue another device's stream, or none. The state to use is the one of the device
+    the rank computed on when it saved (`cuda_devices` in trainer_state.json; a checkpoint without it was written
+    before this was recorded: the same device number is assumed).
+    """
+    device = torch.cuda.current_device()
+    states = saved.get("torch_cuda_manual_seed")
+    recorded = start.cuda_devices[rank] if start.cuda_devices and rank < len(start.cuda_devices) else None
+    index = device if recorded is None else recorded
+    if states is None or index >= len(states):
+        raise RecipeError(f"checkpoint {start.path}: rank {rank} saved from cuda:{index}, but random_states_{rank}.pkl "
+                          f"holds CUDA RNG states for {0 if states is None else len(states)} device(s)")
+    torch.cuda.set_rng_state(states[index], device)
+    if not torch.equal(states[index], torch.cuda.get_rng_state(device)):
+        raise RecipeError(f"checkpoint {start.path}: the CUDA RNG state of rank {rank} (cuda:{device}) was not "
+                          "restored")
 
 
 def truncate_records(out: Path, step: int) -> None:

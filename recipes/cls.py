@@ -153,7 +153,7 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
     out, world, accum = Path(cfg.output_dir), accelerator.num_processes, cfg.gradient_accumulation_steps
     plan = loaders.plan
     model.train()  # from_pretrained returns a model in eval mode
-    step, last_eval, t0 = start.step, None, time.perf_counter()
+    step, skipped, last_eval, t0 = start.step, start.skipped_steps, None, time.perf_counter()
     progress = tqdm(total=plan.total_steps, initial=step, disable=not accelerator.is_local_main_process, desc="train")
     log = records.StepLog(accelerator, out / "metrics.jsonl", cfg.logging_steps, progress)
     for epoch in range(start.epoch, plan.epochs):
@@ -178,9 +178,12 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
             if not accelerator.sync_gradients:
                 continue
             lr = scheduler.get_last_lr()[0]  # the rate this step used
-            scheduler.step()
-            step += 1
-            log.end_step({"step": step, "epoch": epoch, "lr": lr, "samples": n_window,
+            if accelerator.optimizer_step_was_skipped:  # fp16 overflow: no update, so the schedule waits too
+                skipped += 1
+            else:
+                scheduler.step()
+            step += 1  # a skipped step still consumed its window of samples
+            log.end_step({"step": step, "epoch": epoch, "lr": lr, "samples": n_window, "skipped_steps": skipped,
                           "elapsed": time.perf_counter() - t0}, grad_norm)
             progress.update(1)
             end_of_epoch = micro + 1 == len(loaders.train)
@@ -200,7 +203,7 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
                 checkpoint.save_checkpoint(accelerator, out, {
                     "step": step, **position, "world_size": world, "gradient_accumulation_steps": accum,
                     "per_device_train_batch_size": cfg.per_device_train_batch_size, "seed": cfg.seed,
-                    "length_group": loaders.sampler.group_size}, probe)
+                    "length_group": loaders.sampler.group_size, "skipped_steps": skipped}, probe)
             if step == plan.total_steps:
                 break
     log.flush()
@@ -251,7 +254,9 @@ def main(cfg: Config) -> dict:
     launch_checks.check_launch(cfg, model)
     activation_checkpointing.apply(model, cfg.gradient_checkpointing)
     model = strategy.maybe_data_parallel(model, cfg, accelerator)
-    optimizer = strategy.make_optimizer(accelerator, param_groups(model, cfg.weight_decay), cfg.learning_rate)
+    # With a DeepSpeed offload config, Accelerate 1.15.0 replaces it by DeepSpeed's CPU Adam, in AdamW mode because it
+    # is a torch AdamW (accelerate/utils/deepspeed.py map_pytorch_optim_to_deepspeed): the same decoupled decay.
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.learning_rate)
     scheduler = get_linear_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total_steps), total_steps)
 
     strategy.fill_deepspeed_auto(accelerator, cfg)
@@ -296,4 +301,7 @@ if __name__ == "__main__":
     except RecipeError as err:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank fails alike: one line per machine
             print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        else:  # the launcher stops every rank once one has ended: local rank 0 prints first
+            time.sleep(2)
+        strategy.exit_process(2)
+    strategy.exit_process(0)  # not a plain return: see exit_process (a finished run could abort at interpreter exit)

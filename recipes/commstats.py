@@ -28,6 +28,7 @@ owner ("use_multi_rank_bucket_allreduce": false; by default 0.19.8 all-reduces t
 """
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 
 import torch
@@ -118,7 +119,9 @@ def payload(name: str, args: tuple, kwargs: dict) -> tuple[int, int]:
 
 
 class CommCounter(TorchDispatchMode):
-    """While active: calls, payload bytes and bytes sent per rank of each kind of collective."""
+    """While active: calls, payload bytes and bytes sent per rank of each kind of collective; and the host reads of
+    tensor values (`.item()`, `bool()`: aten._local_scalar_dense), by the module that made them, which on GPUs each
+    make the CPU wait for the device (on CPU they cost nothing, but their count is the same)."""
 
     def __init__(self):
         super().__init__()
@@ -126,9 +129,12 @@ class CommCounter(TorchDispatchMode):
         self.payload_bytes: dict = defaultdict(int)
         self.sent_bytes: dict = defaultdict(float)
         self.unknown: set = set()
+        self.host_reads: dict = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.host_reads[reading_module(sys._getframe(1))] += 1
         if any(issubclass(t, DTensor) for t in types):
             # DTensor handles the op: it may issue collectives of its own (a Partial norm made Replicate inside
             # clip_grad_norm_), on its local tensors, which then come back to this mode.
@@ -158,3 +164,16 @@ class CommCounter(TorchDispatchMode):
     def breakdown(self) -> dict:
         return {kind: {"calls": self.calls[kind], "payload_bytes": self.payload_bytes[kind],
                        "sent_bytes": self.sent_bytes[kind]} for kind in sorted(self.calls)}
+
+
+# Frames of the dispatch machinery between a host read and the code that asked for it.
+DISPATCH_MODULES = ("torch.utils._python_dispatch", "torch._dynamo.eval_frame", "torch._compile", "torch._tensor",
+                    __name__)
+
+
+def reading_module(frame) -> str:
+    """The module (package.subpackage) of the code that read a tensor's value, past the dispatch machinery."""
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(DISPATCH_MODULES):
+        frame = frame.f_back
+    name = frame.f_globals.get("__name__", "?") if frame is not None else "?"
+    return ".".join(name.split(".")[:2])

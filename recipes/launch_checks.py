@@ -137,8 +137,11 @@ def deepspeed_problems(path: str, mixed_precision, mp_from_yaml: bool, recipe: d
     if half == "bf16" and accum > 1 and accum_dtype != "fp32":
         # DeepSpeed 0.19.8 (engine.get_data_types) accumulates in the model dtype unless told otherwise: the sum of
         # `accum` bf16 gradients keeps 8 bits of mantissa.
-        problems.append(f"{path} accumulates {accum} micro-batches of bf16 gradients in bf16; add \"data_types\": "
-                        "{\"grad_accum_dtype\": \"fp32\"}")
+        fix = "add \"data_types\": {\"grad_accum_dtype\": \"fp32\"}"
+        if isinstance(zero, dict) and zero.get("stage") == 1:  # engine._do_optimizer_sanity_check, 0.19.8
+            fix += (" (DeepSpeed then runs ZeRO-1 through its BF16_Optimizer: one all-reduce after backward, not "
+                    "overlapped) or use ZeRO-2 (ds_configs/zero2.json), which overlaps with fp32 accumulation")
+        problems.append(f"{path} accumulates {accum} micro-batches of bf16 gradients in bf16; {fix}")
     total = ds.get("train_batch_size", "auto")
     if total != "auto" and world is not None and total != micro * accum * world:
         problems.append(f"train_batch_size={total} in {path} but micro-batch {micro} x accumulation {accum} x "

@@ -10,9 +10,11 @@ training loops in the same process); it is None in every launch.
 
 With --record_ranks each rank writes ranks/rank<i>.json: the ids of the training examples it saw, micro-batch by
 micro-batch; a float64 sum of each parameter as the rank holds it; the dtypes the first Linear computed in and the
-optimizer's master weights and state are kept in; the memory the rank holds (recipes/memstats.py); and, with
+optimizer's master weights and state are kept in; the optimizer that really steps (under Accelerate's and
+DeepSpeed's wrappers, which may replace the one the recipe built) and its update rule; the dtypes FSDP2 accumulates
+gradients in between the micro-batches of a step; the memory the rank holds (recipes/memstats.py); and, with
 CLS_COMM=1, "comm": the bytes of the collectives of optimizer steps COMM_STEPS (recipes/commstats.py), per step and
-per kind of collective.
+per kind of collective, and the host reads of tensor values in those steps, by module.
 """
 from __future__ import annotations
 
@@ -48,6 +50,8 @@ class Probe:
         self.last_step = 0
         self.evaluated = False  # an eval-mode forward ran in the counted step: its gathers are not the step's
         self.comm_steps: dict = {}
+        self.model = None  # watched with --record_ranks: FSDP2's pending gradients are read off it
+        self.accumulated_grad_dtypes: set = set()
 
     @classmethod
     def for_run(cls, cfg, rank: int) -> "Probe":
@@ -66,6 +70,7 @@ class Probe:
         """
         if not self.record:
             return
+        self.model = model
         if torch.cuda.is_available():  # the peaks the record reports are those of training, not of loading
             torch.cuda.reset_peak_memory_stats()
         linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
@@ -86,6 +91,8 @@ class Probe:
         """Take the example ids off a training micro-batch (a plain list beside the tensors) and keep them."""
         if self.record:
             self.sample_ids.append(batch.pop(SAMPLE_IDS))
+            if self.model is not None:  # gradients of the step's earlier micro-batches, kept without a sync
+                self.accumulated_grad_dtypes |= pending_fsdp_gradient_dtypes(self.model)
             if self.count_comm and self.counter is None and self.last_step + 1 in COMM_STEPS:
                 self.counter = commstats.CommCounter()
                 self.evaluated = False
@@ -105,7 +112,8 @@ class Probe:
             return
         counter.__exit__(None, None, None)
         self.comm_steps[step] = {"sent_bytes": counter.total(), "evaluated": self.evaluated,
-                                 "collectives": counter.breakdown(), "unknown_ops": sorted(counter.unknown)}
+                                 "collectives": counter.breakdown(), "unknown_ops": sorted(counter.unknown),
+                                 "host_reads": dict(sorted(counter.host_reads.items()))}
 
     def comm_record(self) -> dict:
         """Bytes sent per rank in each counted step, and their mean over the steps without an evaluation."""
@@ -135,6 +143,8 @@ class Probe:
         folder.mkdir(parents=True, exist_ok=True)
         record = {"rank": self.rank, "sample_ids": self.sample_ids, "param_sums": sums,
                   "dtypes": {**self.forward_dtypes, **optimizer_dtypes(optimizer)},
+                  "optimizer": optimizer_record(optimizer),
+                  "accumulated_grad_dtypes": sorted(self.accumulated_grad_dtypes),
                   "memory": memstats.rank_memory(model, optimizer, device), "comm": self.comm_record()}
         (folder / f"rank{self.rank}.json").write_text(json.dumps(record))
 
@@ -148,3 +158,43 @@ def optimizer_dtypes(optimizer) -> dict:
     states = [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
     return {"master_params": sorted({str(p.dtype) for p in params}),
             "optimizer_state": sorted({str(t.dtype) for t in states})}
+
+
+def optimizer_record(optimizer) -> dict:
+    """The optimizers a step goes through, outermost first (Accelerate's wrapper, DeepSpeed's ZeRO or BF16 optimizer,
+    the one that updates), whether the innermost decays weights decoupled from the gradient (AdamW) or adds them to
+    it (Adam with L2), and DeepSpeed's per-step overflow check where the chain has one."""
+    chain = [optimizer]
+    while hasattr(chain[-1], "optimizer"):  # each wrapper keeps the one it wraps as .optimizer (memstats)
+        chain.append(chain[-1].optimizer)
+    inner = chain[-1]
+    decoupled = getattr(inner, "adam_w_mode", None)  # DeepSpeed's CPU Adam
+    if decoupled is None:  # torch: AdamW sets the group flag; ZeRO-3 may have emptied param_groups, the class tells
+        groups = getattr(inner, "param_groups", [])
+        decoupled = groups[0].get("decoupled_weight_decay") if groups else isinstance(inner, torch.optim.AdamW)
+    checks = [o.check_grad_overflow for o in chain if hasattr(o, "check_grad_overflow")]
+    return {"chain": [type(o).__name__ for o in chain], "decoupled_weight_decay": bool(decoupled),
+            "check_grad_overflow": checks[0] if checks else None}
+
+
+def pending_fsdp_gradient_dtypes(model) -> set:
+    """dtypes of the gradients FSDP2 keeps between micro-batches that do not sync (`accelerator.accumulate`).
+
+    Read from torch 2.13.0's FSDP2 internals (`FSDPParam`): with reduce_dtype other than the compute dtype, a
+    micro-batch's gradient is upcast into `unsharded_accumulated_grad`; otherwise it stays in the unsharded
+    parameter's `.grad`, in the compute dtype. Empty without FSDP2 or outside an accumulation window.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    found = set()
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        for param in group.fsdp_params if group is not None else []:
+            grad = param.unsharded_accumulated_grad
+            if grad is None:
+                grad = getattr(getattr(param, "_unsharded_param", None), "grad", None)
+            if grad is not None:
+                found.add(str(grad.dtype))
+    return found

@@ -57,6 +57,7 @@ def describe_run(cfg, accelerator, total_steps: int, n_train: int, n_eval: int) 
         "n_eval_examples": n_eval,
         "device": device_name(accelerator.device),
         "cpu_threads": torch.get_num_threads(),  # intra-op threads (recipes/strategy.py set_cpu_threads)
+        "matmul_precision": torch.get_float32_matmul_precision(),  # "high": TF32 (strategy.use_tf32_matmuls)
         "versions": library_versions(),
     }
 

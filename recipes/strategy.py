@@ -5,10 +5,14 @@ on GPUs and, for CI, on CPU processes. Each workaround names the library limit a
 """
 from __future__ import annotations
 
+import atexit
+import functools
 import os
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -43,10 +47,11 @@ def make_accelerator(cfg):
         # Host-to-device copies that do not wait: the batch comes from pinned memory on GPUs (data.build_loaders).
         dataloader_config=DataLoaderConfiguration(non_blocking=not on_cpu),
     )
-    set_matmul_precision(cfg, accelerator)
+    use_tf32_matmuls(accelerator.device.type, accelerator.mixed_precision, cfg.tf32)
     set_cpu_threads(accelerator, cfg.cpu_threads)
     if on_cpu and fsdp:
         rehearse_fsdp_on_cpu(accelerator)
+    reduce_fsdp_gradients_in_fp32(accelerator)
     if cfg.data_parallel and accelerator.num_processes > 1:
         raise RecipeError("--data_parallel runs in one process: use `python recipes/cls.py`, not a multi-process launch")
     return accelerator
@@ -70,6 +75,26 @@ def rehearse_fsdp_on_cpu(accelerator) -> None:
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
+
+
+def reduce_fsdp_gradients_in_fp32(accelerator) -> None:
+    """FSDP under bf16/fp16: compute in the low dtype, but reduce and accumulate gradients in fp32.
+
+    Accelerate 1.15.0 (`FullyShardedDataParallelPlugin.set_mixed_precision`) sets reduce_dtype = param_dtype. FSDP2
+    (torch 2.13.0, `FSDPParam.to_accumulated_grad_if_needed`) keeps the unsharded gradient across the micro-batches
+    of `accelerator.accumulate` (no gradient sync) in that dtype, so accumulation summed bf16 gradients (8 bits of
+    mantissa), and the reduce-scatter summed the ranks' gradients in bf16 as well. With reduce_dtype fp32, FSDP2
+    upcasts each micro-batch's gradient into an fp32 accumulator and reduce-scatters in fp32: the gradient the
+    optimizer sees is what an fp32 sum gives, for twice the bytes of the reduce-scatter (not of the all-gathers).
+    The launch config cannot say this (no accelerate launch key for the policy), so it is set here, before prepare.
+    """
+    import dataclasses
+
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    policy = getattr(plugin, "mixed_precision_policy", None)
+    if policy is None or accelerator.mixed_precision == "no":
+        return
+    plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=torch.float32)
 
 
 def fill_deepspeed_auto(accelerator, cfg) -> None:
@@ -98,19 +123,42 @@ def maybe_data_parallel(model, cfg, accelerator):
         accelerator.print(f"--data_parallel: {n_gpus} GPU(s) visible, falling back to one device ({accelerator.device})")
         return model
     accelerator.print(f"--data_parallel: nn.DataParallel over {n_gpus} GPUs")
-    return torch.nn.DataParallel(model)
+    return AutocastDataParallel(model)
 
 
+class AutocastDataParallel(torch.nn.DataParallel):
+    """`nn.DataParallel` whose replicas compute in the autocast dtype of the caller, not in fp16.
 
-def set_matmul_precision(cfg, accelerator) -> None:
+    Accelerate wraps the prepared model's forward in autocast (bf16 for `mixed_precision=bf16`), which for a
+    DataParallel model is DataParallel.forward in the main thread. torch 2.13.0's parallel_apply then runs each replica
+    in a thread of its own under `torch.amp.autocast(device_type, enabled=...)`: the flag is passed on, the dtype is
+    not, and autocast's dtype is per thread, defaulting to float16 on CUDA. So a bf16 run computed its replicas in
+    fp16, without loss scaling. Each replica runs here inside an autocast with the caller's dtype.
+    """
+
+    def parallel_apply(self, replicas, inputs, kwargs):
+        device_type = self.src_device_obj.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            replicas = [functools.partial(run_in_autocast, replica, device_type, dtype) for replica in replicas]
+        return super().parallel_apply(replicas, inputs, kwargs)
+
+
+def run_in_autocast(module, device_type: str, dtype: torch.dtype, *args, **kwargs):
+    with torch.autocast(device_type, dtype=dtype):
+        return module(*args, **kwargs)
+
+
+def use_tf32_matmuls(device_type: str, mixed_precision: str, tf32: bool) -> None:
     """TF32 tensor cores for the fp32 configs on GPUs (single, ddp, multinode, fsdp without bf16).
 
     torch 2.13.0 leaves fp32 matmuls in full fp32 by default ("highest"); on Ampere and newer, "high" runs them on
     TF32 tensor cores, several times faster, with a 10-bit mantissa in the products and fp32 accumulation: the
     precision fine-tuning with AdamW tolerates (Trainer's --tf32 does the same). The configs stay fp32 rather than
     bf16 so that the fp32 reference runs of the tests mean the same thing on CPU and GPU; --tf32 false turns it off.
+    The bench's baselines apply the same rule (scripts/bench_baselines.py), so fp32 comparisons do the same math.
     """
-    if accelerator.device.type == "cuda" and accelerator.mixed_precision == "no" and cfg.tf32:
+    if device_type == "cuda" and mixed_precision == "no" and tf32:
         torch.set_float32_matmul_precision("high")
 
 
@@ -146,21 +194,6 @@ def set_cpu_threads(accelerator, requested: int = 0) -> int:
         threads = max(1, available_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     torch.set_num_threads(threads)
     return threads
-
-
-def make_optimizer(accelerator, groups: list[dict], lr: float):
-    """AdamW, or DeepSpeed's CPU Adam when the DeepSpeed config keeps the optimizer state in CPU memory.
-
-    With offload_optimizer, DeepSpeed 0.19.8 refuses a client torch optimizer (zero_force_ds_cpu_optimizer defaults
-    to true) because torch's unfused AdamW on the CPU-held fp32 state is several times slower than its fused,
-    vectorised CPU Adam. `adamw_mode=True` makes it the same decoupled-weight-decay AdamW as torch's, with the same
-    defaults (betas 0.9/0.999, eps 1e-8), so every strategy trains the same optimizer.
-    """
-    if offloads_optimizer(accelerator):
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-        return DeepSpeedCPUAdam(groups, lr=lr, adamw_mode=True)
-    return torch.optim.AdamW(groups, lr=lr)
 
 
 def clip_gradients(accelerator, model, max_norm: float):
@@ -220,3 +253,24 @@ def held_open(path: Path) -> bool:
         except OSError:
             continue
     return False
+
+
+
+def exit_process(code: int) -> NoReturn:
+    """Leave the process with `code` once the run is over, without tearing the interpreter down.
+
+    torch 2.13.0's gloo backend runs each collective on a native worker thread of its process group; the thread drops
+    its reference to the finished work (and the tensors in it) a moment after the caller's wait returns, and freeing
+    a tensor Python owned takes the GIL. If the main thread is finalizing the interpreter by then, CPython ends the
+    worker thread (pthread_exit) and the unwind aborts the process: "terminate called without an active exception",
+    exit -6, after final/ was written, so a scheduler requeues a finished run (pytorch/pytorch#190489). Destroying the
+    process groups first would join those threads, but DeepSpeed 0.19.8 keeps its groups alive past
+    destroy_process_group (deepspeed.utils.groups, every ZeRO-3 parameter's ds_process_group). Measured with 2 gloo
+    ranks ending on an all-gather (tests/exit_race_worker.py): 10 of 20 launches aborted at a normal exit, 0 of 20
+    through this function. Python's exit functions (logging, file locks, tracker sessions) run first, as at any exit;
+    only the finalization is skipped.
+    """
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -153,9 +153,10 @@ def failure_reason(log: str) -> str:
 
 
 def ds_config_for(strategy: str, precision: str, runs_dir: Path) -> tuple[dict, Path]:
-    """The shipped DeepSpeed JSON with bf16 switched to the run's precision, written beside the runs."""
+    """The shipped DeepSpeed JSON with bf16 switched to the run's precision (its other bf16 keys kept), written beside
+    the runs."""
     config = memory_model.load_ds_config(strategy)
-    config["bf16"] = {"enabled": precision == "bf16"}
+    config["bf16"] = {**config.get("bf16", {}), "enabled": precision == "bf16"}
     path = runs_dir / "ds_configs" / f"{strategy}_{precision}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(config, indent=2) + "\n")
@@ -164,7 +165,7 @@ def ds_config_for(strategy: str, precision: str, runs_dir: Path) -> tuple[dict, 
 
 def plan_command(run: Run, spec: ModelSpec, profile: Profile, run_dir: Path, runs_dir: Path, recipe: str,
                  n_gpus: int) -> list:
-    """The command line of one run; sets run.world, run.precision and run.ds_config."""
+    """The command line of one run; sets run.world, run.precision, run.ds_config and run.env."""
     run.precision = spec.precision
     run.world = world_of(run.name, n_gpus, profile.max_world)
     batch = effective_batch(run.name, n_gpus, profile)
@@ -172,6 +173,9 @@ def plan_command(run: Run, spec: ModelSpec, profile: Profile, run_dir: Path, run
     shared = ["--model_name_or_path", spec.path, "--output_dir", str(run_dir), "--seed", str(run.seed),
               "--max_train_samples", str(train_samples), "--learning_rate", str(spec.learning_rate)]
     shared += ["--random_init"] if spec.random_init else []
+    if run.name in ("loop", "trainer", "alternate") and n_gpus > 1:
+        # One process on one GPU: Trainer would take every visible GPU (nn.DataParallel, a batch per GPU).
+        run.env = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
     if run.name == "alternate":  # only its epoch times are reported: a small evaluation
         return [PYTHON, "scripts/bench_baselines.py", "alternate", *shared, "--batch_size", str(batch),
                 "--precision", spec.precision, "--rounds", str(profile.alternate_rounds), "--max_eval_samples", "64",
@@ -253,9 +257,14 @@ def execute(run: Run, command: list, run_dir: Path, profile: Profile, env: dict)
         run.status, run.reason = "failed", failure_reason(log_path.read_text(errors="replace"))
 
 
+# The multi-machine configs launch these strategies across machines (scripts/gpu_check.py runs them).
+MULTI_MACHINE = {"multinode": "ddp", "zero2_multinode": "zero2"}
+
+
 def strategy_of(run: Run) -> str:
     """The memory-model strategy a run is predicted as."""
-    return run.name if run.name in memory_model.STRATEGIES and run.name != "single" else "single"
+    name = MULTI_MACHINE.get(run.name, run.name)
+    return name if name in memory_model.STRATEGIES and name != "single" else "single"
 
 
 def collect(run: Run, run_dir: Path, profile: Profile, shape: memory_model.ModelShape) -> None:
@@ -318,10 +327,11 @@ def collect_comm(run: Run, records: list, shape: memory_model.ModelShape) -> Non
 
 
 # Dense peak FLOP/s per GPU from the vendors' data sheets (bf16 tensor core without sparsity; fp32 is TF32 tensor
-# core, which the recipe's fp32 runs use on GPUs, recipes/strategy.py set_matmul_precision).
+# core, which the recipe's fp32 runs use on GPUs, recipes/strategy.py use_tf32_matmuls).
 GPU_PEAK_FLOPS = {  # name fragment: (bf16, fp32)
-    "H200": (989e12, 494e12), "H100": (989e12, 494e12), "A100": (312e12, 156e12), "A10G": (70e12, 35e12),
-    "L40S": (362e12, 183e12), "L4": (121e12, 60e12), "A6000": (155e12, 77e12), "4090": (165e12, 83e12),
+    "H200": (989e12, 494e12), "H100 PCIe": (756e12, 378e12), "H100": (989e12, 494e12), "A100": (312e12, 156e12),
+    "A10G": (70e12, 35e12), "L40S": (362e12, 183e12), "L4": (121e12, 60e12), "A6000": (155e12, 77e12),
+    "4090": (165e12, 83e12),
     "V100": (125e12, 15.7e12), "T4": (65e12, 8.1e12),  # fp16 tensor cores; these cards have no bf16
 }
 
@@ -333,7 +343,7 @@ def model_flops(shape: memory_model.ModelShape, tokens_per_s: float, seq_len: in
     return (6 * shape.num_params + attention) * tokens_per_s
 
 
-def device_peak_flops(precision: str, n_gpus: int, threads: int) -> float:
+def device_peak_flops(precision: str, n_gpus: int, threads: int) -> float | None:
     """Peak FLOP/s of one device: the data-sheet value of the GPU, or on CPU a measured matmul rate."""
     import torch
 
@@ -342,7 +352,7 @@ def device_peak_flops(precision: str, n_gpus: int, threads: int) -> float:
         for fragment, (bf16, fp32) in GPU_PEAK_FLOPS.items():
             if fragment in name:
                 return bf16 if precision == "bf16" else fp32
-        return float("nan")
+        return None  # a GPU missing from the table: no MFU rather than a made-up one
     return cpu_matmul_flops(torch.bfloat16 if precision == "bf16" else torch.float32, threads)
 
 
@@ -436,6 +446,37 @@ def progress(line: str) -> None:
     print(line, flush=True)  # flushed: `make bench | tee` shows each run as it ends
 
 
+def run_one(spec: ModelSpec, name: str, round_: int, profile: Profile, runs_dir: Path, recipe: str, n_gpus: int,
+            shape: memory_model.ModelShape, peaks: dict) -> Run:
+    """One run of the schedule: planned, launched in an empty run folder, measured; MFU against the peak of every
+    device it computed on (`peaks`, a cache of device_peak_flops by precision and threads, filled here)."""
+    run = Run(model=spec.name, name=name, kind="baseline" if name in BASELINES else "strategy", round=round_,
+              seed=42 + round_)
+    run_dir = runs_dir / (f"{spec.name}_{name}" + (f"_r{round_}" if round_ else ""))
+    run.run_dir = str(run_dir.relative_to(REPO) if run_dir.is_relative_to(REPO) else run_dir)
+    run.reason = skip_reason(run, n_gpus)
+    if run.reason:
+        run.status = "skipped"
+        return run
+    shutil.rmtree(run_dir, ignore_errors=True)  # no records of an earlier run may be read as this one's
+    run_dir.mkdir(parents=True)
+    run.threads = threads_of(world_of(name, n_gpus, profile.max_world))
+    command = plan_command(run, spec, profile, run_dir, runs_dir, recipe, n_gpus)
+    run.effective_batch = effective_batch(name, n_gpus, profile)
+    execute(run, command, run_dir, profile, {**run_env(run.threads, run.world), **run.env})
+    if run.status == "ok":
+        collect(run, run_dir, profile, shape)
+    if run.status == "ok" and run.tokens_per_s:
+        key = (run.precision, run.threads)
+        if key not in peaks:
+            peaks[key] = device_peak_flops(run.precision, n_gpus, run.threads)
+        run.model_flops_per_s = model_flops(shape, run.tokens_per_s)
+        # nn.DataParallel computes on every GPU from one process: its devices, not its processes
+        devices = run.effective_batch // profile.per_device_batch if n_gpus else 1
+        run.mfu = run.model_flops_per_s / (peaks[key] * devices) if peaks[key] else None
+    return run
+
+
 def run_bench(profile: Profile, strategies=STRATEGIES, baselines=BASELINES, runs_dir: Path = REPO / "runs" / "bench",
               recipe: str = "recipes/cls.py", log=progress) -> dict:
     """Every run of the profile, one after the other; prints each run's line when it ends. Returns the results."""
@@ -455,31 +496,7 @@ def run_bench(profile: Profile, strategies=STRATEGIES, baselines=BASELINES, runs
     for spec in profile.models:
         shape = memory_model.shape_from_model(str(REPO / spec.path))
         for name, round_ in schedule:
-            run = Run(model=spec.name, name=name, kind="baseline" if name in BASELINES else "strategy", round=round_,
-                      seed=42 + round_)
-            run_dir = runs_dir / (f"{spec.name}_{name}" + (f"_r{round_}" if round_ else ""))
-            run.run_dir = str(run_dir.relative_to(REPO) if run_dir.is_relative_to(REPO) else run_dir)
-            run.reason = skip_reason(run, n_gpus)
-            if run.reason:
-                run.status = "skipped"
-            else:
-                shutil.rmtree(run_dir, ignore_errors=True)  # no records of an earlier run may be read as this one's
-                run_dir.mkdir(parents=True)
-                run.threads = threads_of(world_of(name, n_gpus, profile.max_world))
-                command = plan_command(run, spec, profile, run_dir, runs_dir, recipe, n_gpus)
-                run.effective_batch = effective_batch(name, n_gpus, profile)
-                env = {**run_env(run.threads, run.world), **run.env}
-                if name in ("loop", "trainer") and n_gpus > 1:
-                    env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-                execute(run, command, run_dir, profile, env)
-                if run.status == "ok":
-                    collect(run, run_dir, profile, shape)
-                if run.status == "ok" and run.tokens_per_s:
-                    key = (run.precision, run.threads)
-                    if key not in peaks:
-                        peaks[key] = device_peak_flops(run.precision, n_gpus, run.threads)
-                    run.model_flops_per_s = model_flops(shape, run.tokens_per_s)
-                    run.mfu = run.model_flops_per_s / (peaks[key] * (run.world if n_gpus else 1))
+            run = run_one(spec, name, round_, profile, runs_dir, recipe, n_gpus, shape, peaks)
             runs.append(run)
             log(f"{len(runs):>2}/{len(schedule) * len(profile.models):<3}" + format_row(run, mem_label))
     runs.sort(key=lambda r: ([spec.name for spec in profile.models].index(r.model), r.round, names.index(r.name)))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -37,7 +38,7 @@ from accelerate.utils import set_seed
 from transformers import (AutoTokenizer, Trainer, TrainerCallback, TrainingArguments,
                           get_linear_schedule_with_warmup)
 
-from recipes import data, memstats, records
+from recipes import data, memstats, records, strategy
 from recipes.cls import Config, build_model, param_groups
 from scripts.bench_report import round_order
 
@@ -238,6 +239,10 @@ def alternate(args, cfg, device, train_ds, eval_ds, collate, names) -> None:
     from recipes.probe import Probe
 
     out = Path(args.output_dir)
+    # The recipe's Accelerator takes its precision from the variable `accelerate launch` would set; without it the
+    # recipe trained in fp32 beside bf16 baselines (until Trainer's Accelerator state, shared in the process, was
+    # there first and said bf16).
+    os.environ["ACCELERATE_MIXED_PRECISION"] = mixed_precision(args.precision)
     recipe_flags = ["--model_name_or_path", args.model_name_or_path, "--seed", str(args.seed),
                     "--max_train_samples", str(args.max_train_samples), "--learning_rate", str(args.learning_rate),
                     "--per_device_train_batch_size", str(args.batch_size), "--logging_steps", "1",  # as the loop
@@ -294,10 +299,26 @@ def alternate(args, cfg, device, train_ds, eval_ds, collate, names) -> None:
         "same_batches": same_batches, "threads": torch.get_num_threads()}) + "\n")
 
 
+def mixed_precision(precision: str) -> str:
+    """Accelerate's name for the bench's precision."""
+    return "bf16" if precision == "bf16" else "no"
+
+
+def select_device(precision: str, tf32: bool) -> torch.device:
+    """The one device a baseline computes on, with the recipe's matmul precision: fp32 on a GPU uses TF32 tensor
+    cores in the recipe (recipes/strategy.py use_tf32_matmuls), so here too, or the comparison is of other math.
+    Several visible GPUs are refused: Trainer would wrap the model in nn.DataParallel and multiply the batch."""
+    if torch.cuda.device_count() > 1:
+        sys.exit("error: the baselines run on one GPU: set CUDA_VISIBLE_DEVICES to one device (make bench does)")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    strategy.use_tf32_matmuls(device.type, mixed_precision(precision), tf32)
+    return device
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     cfg = recipe_config(args)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = select_device(args.precision, cfg.tf32)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path)
@@ -318,7 +339,8 @@ def main(argv=None) -> None:
     (out / "ranks").mkdir(exist_ok=True)
     (out / "ranks" / "rank0.json").write_text(json.dumps({"rank": 0, "memory": memory}))
     resolved = {"config": vars(args), "world_size": 1, "distributed_type": f"baseline:{args.kind}",
-                "mixed_precision": "bf16" if args.precision == "bf16" else "no",
+                "mixed_precision": mixed_precision(args.precision),
+                "matmul_precision": torch.get_float32_matmul_precision(),
                 "effective_batch_size": args.batch_size, "total_optimizer_steps": len(steps),
                 "n_train_examples": len(train_ds), "n_eval_examples": len(eval_ds),
                 "device": records.device_name(device), "cpu_threads": torch.get_num_threads(),

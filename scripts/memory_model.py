@@ -38,12 +38,13 @@ DeepSpeed ZeRO-3 (DeepSpeedZeroOptimizer_Stage3): each parameter keeps a 1/N par
   reduce_bucket_size elements (contiguous_gradients). The fp32 gradient of the partition exists during the step,
   or for good on the host with offload_optimizer. offload_param moves the non-persistent partitions to the host.
 FSDP2 (Accelerate's fully_shard): parameters stay sharded fp32 DTensors (4 B / N); bf16 is a
-  MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) that gathers bf16 copies one unit at a time.
-  Gradients are reduce-scattered in bf16 and stored as sharded fp32 (4 B / N) until zero_grad; Adam's moments are
-  sharded (8 B / N). Accelerate makes a unit of each fsdp_transformer_layer_cls_to_wrap layer and of the input
-  embedding (both freed after forward) and leaves the rest (position embeddings, pooler, classifier) to the root
-  unit, which torch keeps gathered from forward to the end of backward: after a forward-only pass (evaluation) it
-  stays gathered until the next step. Dim-0 padding of each shard (< N rows) is ignored.
+  MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) that gathers bf16 copies one unit at a time (the recipe
+  sets reduce_dtype; Accelerate 1.15.0 would reduce in bf16). Gradients are reduce-scattered in fp32 and stored as
+  sharded fp32 (4 B / N) until zero_grad; Adam's moments are sharded (8 B / N). Accelerate makes a unit of each
+  fsdp_transformer_layer_cls_to_wrap layer and of the input embedding (both freed after forward) and leaves the rest
+  (position embeddings, pooler, classifier) to the root unit, which torch keeps gathered from forward to the end of
+  backward: after a forward-only pass (evaluation) it stays gathered until the next step. Dim-0 padding of each
+  shard (< N rows) is ignored.
 """
 from __future__ import annotations
 
@@ -219,31 +220,35 @@ def totals(parts: list[Part]) -> dict:
     return out
 
 
-# Collectives of one optimizer step in the textbook (ZeRO paper, section 7): (kind, multiple of the gradient bytes).
+# Collectives of one optimizer step in the textbook (ZeRO paper, section 7): (kind, times, what is sent).
 COMM_TERMS = {
-    "ddp": [("all_reduce", 1)],  # the gradients, once
-    "zero1": [("reduce_scatter", 1), ("all_gather", 1)],  # gradients to their partition, updated parameters back
-    "zero2": [("reduce_scatter", 1), ("all_gather", 1)],
-    "zero3": [("all_gather", 2), ("reduce_scatter", 1)],  # parameters in forward and again in backward; gradients
-    "fsdp": [("all_gather", 2), ("reduce_scatter", 1)],
+    "ddp": [("all_reduce", 1, "gradients")],  # the gradients, once
+    "zero1": [("reduce_scatter", 1, "gradients"), ("all_gather", 1, "parameters")],  # gradients to their partition,
+    "zero2": [("reduce_scatter", 1, "gradients"), ("all_gather", 1, "parameters")],  # updated parameters back
+    "zero3": [("all_gather", 2, "parameters"), ("reduce_scatter", 1, "gradients")],  # forward, backward; gradients
+    "fsdp": [("all_gather", 2, "parameters"), ("reduce_scatter", 1, "gradients")],
 }
+# Strategies whose gradients travel in fp32 whatever the compute dtype: DDP keeps fp32 gradients under bf16 autocast;
+# FSDP2 reduces in fp32 (recipes/strategy.py reduce_fsdp_gradients_in_fp32).
+FP32_GRADIENTS = ("ddp", "fsdp")
 
 
 def comm_bytes_per_step(strategy: str, shape: ModelShape, world: int, precision: str) -> dict:
     """The textbook bytes one rank sends per optimizer step, and their terms: ring all-reduce 2 x psi x (n-1)/n,
-    all-gather and reduce-scatter psi x (n-1)/n, psi the parameter bytes in the communicated dtype. The factors are
-    recipes/commstats.py's (the measured side), so the two compare. DDP keeps fp32 gradients under bf16 autocast and
-    reduces them in fp32; ZeRO and FSDP2 are predicted in the compute dtype (checked in fp32 only: in bf16 DeepSpeed's
-    communication_data_type / grad_accum_dtype may send gradients in fp32). Offload changes where the optimizer runs,
-    not what is communicated (measured: the same bytes). Single process (or n = 1): nothing."""
+    all-gather and reduce-scatter psi x (n-1)/n, psi the bytes of what is sent (parameters in the compute dtype;
+    gradients in fp32 for DDP and FSDP2, in the compute dtype for ZeRO). The factors are recipes/commstats.py's (the
+    measured side), so the two compare. ZeRO is checked in fp32 only: in bf16 DeepSpeed's communication_data_type /
+    grad_accum_dtype may send gradients in fp32. Offload changes where the optimizer runs, not what is communicated
+    (measured: the same bytes). Single process (or n = 1): nothing."""
     from recipes.commstats import ring_factor
 
     base = strategy.replace("_offload", "")
     if base not in COMM_TERMS or world <= 1:
-        return {"total": 0.0, "psi": 0, "terms": {}}
-    psi = shape.num_params * (4 if base == "ddp" else DTYPE_BYTES[precision])
-    terms = {kind: times * psi * ring_factor(kind, world) for kind, times in COMM_TERMS[base]}
-    return {"total": sum(terms.values()), "psi": psi, "terms": terms}
+        return {"total": 0.0, "terms": {}}
+    psi = {"parameters": shape.num_params * DTYPE_BYTES[precision],
+           "gradients": shape.num_params * (4 if base in FP32_GRADIENTS else DTYPE_BYTES[precision])}
+    terms = {kind: times * psi[what] * ring_factor(kind, world) for kind, times, what in COMM_TERMS[base]}
+    return {"total": sum(terms.values()), "terms": terms}
 
 
 def format_table(shape: ModelShape, world: int, precision: str, strategies, optimizer_states: int = 2) -> str:

@@ -17,9 +17,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import ACCELERATE, PYTHON, REPO, TINY_FLAGS, free_port, read_jsonl, rank_records, run_recipe
+from helpers import (ACCELERATE, PYTHON, REPO, TINY_FLAGS, free_port, rank_records, read_jsonl, run_in_own_group,
+                     run_recipe)
 from recipes import RecipeError, checkpoint, data, launch_checks, records, strategy
 from recipes.cls import Config, parse_config
+from recipes.probe import Probe
 from scripts import bench, check_config
 
 
@@ -115,6 +117,21 @@ def test_slurm_script_with_stub_srun_and_scontrol(tiny_model, tmp_path):
         assert flags["--main_process_port"] == str(20000 + 4242 % 10000)
 
 
+@pytest.mark.multiproc
+def test_processes_end_without_aborting_at_interpreter_exit():
+    """A zero3_offload launch finished, wrote final/, and a rank then died with "terminate called without an active
+    exception" (exit -6): a gloo worker thread freeing the tensors of the last collective needed the GIL while the
+    interpreter was being finalized. The recipe leaves through strategy.exit_process instead. 8 launches of 2 ranks
+    that end right after an all-gather on a group a module keeps, as DeepSpeed's: every exit code 0. With `--plain`
+    (a normal exit) 10 of 20 such launches aborted on this machine, so 8 clean exits of a broken exit path happen
+    with a chance of about 0.5^8."""
+    torchrun = str(Path(PYTHON).parent / "torchrun")
+    for attempt in range(8):
+        proc = run_in_own_group([torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()),
+                                 "tests/exit_race_worker.py"], timeout=120)
+        assert proc.returncode == 0 and "terminate called" not in proc.stderr, (attempt, proc.stderr[-3000:])
+
+
 def test_stale_extension_lock_is_reported_not_waited_on(tmp_path):
     """A lock left by a killed DeepSpeed op build: one line naming the file. A fresh lock, or one a live builder
     holds open, is left alone."""
@@ -137,22 +154,120 @@ def test_stale_extension_lock_is_reported_not_waited_on(tmp_path):
         strategy.check_extension_locks(str(tmp_path))
 
 
-def test_resume_checks_the_cuda_rng_state_of_the_current_device(monkeypatch, tmp_path):
-    """Accelerate restores the CUDA generator inside a try/except that swallows errors; the check catches a miss."""
-    saved_cuda = [torch.tensor([1, 2, 3], dtype=torch.uint8), torch.tensor([4, 5, 6], dtype=torch.uint8)]
-    torch.save({"torch_manual_seed": torch.get_rng_state(), "torch_cuda_manual_seed": saved_cuda},
-               tmp_path / "random_states_0.pkl")
-    current = {"state": saved_cuda[1].clone()}
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: current["state"])
-    accelerator = SimpleNamespace(process_index=0, load_state=lambda path: None,
+class FakeCuda:
+    """Per-device CUDA generator states of a machine with `n` GPUs, on which this process computes on `device`."""
+
+    def __init__(self, monkeypatch, n: int, device: int):
+        self.n, self.device = n, device
+        self.states = {i: torch.tensor([100 + i], dtype=torch.uint8) for i in range(n)}
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.device)
+        monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: self.states[self._index(device)])
+        monkeypatch.setattr(torch.cuda, "set_rng_state", self.set_rng_state)
+
+    def _index(self, device) -> int:
+        index = self.device if device is None or device == "cuda" else torch.device("cuda", device).index
+        if index >= self.n:
+            raise RuntimeError(f"invalid device ordinal {index}")
+        return index
+
+    def set_rng_state(self, state, device="cuda"):
+        self.states[self._index(device)] = state.clone()
+
+    def set_rng_state_all(self, states):  # torch.cuda.set_rng_state_all: by device number, stops at a missing one
+        for i, state in enumerate(states):
+            self.set_rng_state(state, i)
+
+
+def saved_rng(tmp_path, rank: int, cuda_states: list, cuda_devices):
+    """A checkpoint folder holding rank `rank`'s random states; the resume point that names it."""
+    torch.save({"torch_manual_seed": torch.get_rng_state(), "torch_cuda_manual_seed": cuda_states},
+               tmp_path / f"random_states_{rank}.pkl")
+    return checkpoint.ResumePoint(step=4, path=tmp_path, saved_world=8, cuda_devices=cuda_devices)
+
+
+@pytest.mark.parametrize("layout", ["2x4 -> 1x8", "1x8 -> 2x4", "same layout, written before cuda_devices"])
+def test_resume_restores_the_cuda_rng_of_the_device_the_rank_saved_on(monkeypatch, tmp_path, layout):
+    """Accelerate 1.15.0 saves every visible device's CUDA generator in each rank's random_states file and restores
+    them by device number in a try/except that swallows errors. Rank 5 of 2 x 4 GPUs saved on cuda:1 and resumes on
+    1 x 8 GPUs on cuda:5 (the old check crashed: 4 states, device 5); rank 4 of 1 x 8 saved on cuda:4 and resumes on
+    2 x 4 on cuda:0 (Accelerate gives cuda:0 the state of the old cuda:0: another rank's stream). The recipe puts the
+    state of the device the rank saved on (trainer_state.json `cuda_devices`) onto its current device."""
+    rank, saved_on, now_on, n_saved, n_now = {"2x4 -> 1x8": (5, 1, 5, 4, 8), "1x8 -> 2x4": (4, 4, 0, 8, 4),
+                                              "same layout, written before cuda_devices": (3, 3, 3, 4, 4)}[layout]
+    devices = None if layout.startswith("same") else [None] * rank + [saved_on] + [None] * (7 - rank)
+    saved_states = [torch.tensor([200 + i], dtype=torch.uint8) for i in range(n_saved)]
+    start = saved_rng(tmp_path, rank, saved_states, devices)
+    cuda = FakeCuda(monkeypatch, n_now, now_on)
+
+    def accelerate_load_state(path):  # what load_accelerator_state does with the CUDA states: by number, errors eaten
+        try:
+            cuda.set_rng_state_all(saved_states)
+        except RuntimeError:
+            pass
+
+    accelerator = SimpleNamespace(process_index=rank, load_state=accelerate_load_state,
                                   state=SimpleNamespace(deepspeed_plugin=None))
-    start = checkpoint.ResumePoint(step=4, path=tmp_path, saved_world=1)
-    checkpoint.load_checkpoint(accelerator, None, start, 42)  # restored: passes
-    current["state"] = torch.tensor([9, 9, 9], dtype=torch.uint8)
-    with pytest.raises(RecipeError, match=r"CUDA RNG state of rank 0 \(cuda:1\) was not restored"):
+    checkpoint.load_checkpoint(accelerator, None, start, 42)
+    assert torch.equal(cuda.states[now_on], saved_states[saved_on])  # this rank's own stream, on its device now
+    start.cuda_devices = [None] * rank + [n_saved] + [None] * (7 - rank)  # a device the saved file has no state of
+    with pytest.raises(RecipeError, match=f"rank {rank} saved from cuda:{n_saved}, but random_states_{rank}.pkl "
+                                          f"holds CUDA RNG states for {n_saved} device"):
         checkpoint.load_checkpoint(accelerator, None, start, 42)
+
+
+def test_checkpoint_records_the_cuda_device_of_each_rank(monkeypatch, tmp_path):
+    """save_checkpoint writes the device each rank computed on into trainer_state.json (gathered over the ranks)."""
+    FakeCuda(monkeypatch, 8, 3)
+    accelerator = SimpleNamespace(is_main_process=True, num_processes=1, wait_for_everyone=lambda: None,
+                                  save_state=lambda path: (Path(path) / "random_states_0.pkl").write_bytes(b""))
+    checkpoint.save_checkpoint(accelerator, tmp_path, {"step": 7}, Probe(record=False, rank=0))
+    state = json.loads((tmp_path / "checkpoints" / "step_7" / "trainer_state.json").read_text())
+    assert state == {"step": 7, "cuda_devices": [3]}
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_7"
+
+
+def test_data_parallel_replicas_compute_in_the_callers_autocast_dtype(monkeypatch):
+    """nn.DataParallel runs each replica in a thread of its own (torch 2.13.0 parallel_apply), entering autocast
+    there with the caller's flag only; a new thread's autocast dtype is the device's default, float16 on CUDA, so a
+    bf16 run computed its replicas in fp16 without loss scaling. Rehearsed on CPU: `worker` does what torch's does,
+    in a thread whose default is set to float16 as CUDA's is; the `with` around the call is Accelerate's autocast
+    around DataParallel.forward. Plain DataParallel shows the fault, the recipe's AutocastDataParallel the fix."""
+    import importlib
+    import threading
+
+    data_parallel = importlib.import_module("torch.nn.parallel.data_parallel")  # the module, not the function
+    dtypes = []
+    linear = torch.nn.Linear(4, 4)
+    linear.register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
+
+    def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
+        enabled, results = torch.is_autocast_enabled("cpu"), [None] * len(modules)
+
+        def worker(i, module, args, kwargs):
+            torch.set_autocast_dtype("cpu", torch.float16)  # a new CUDA thread's default
+            with torch.amp.autocast("cpu", enabled=enabled):
+                results[i] = module(*args, **kwargs)
+
+        threads = [threading.Thread(target=worker, args=(i, m, a, k))
+                   for i, (m, a, k) in enumerate(zip(modules, inputs, kwargs_tup))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
+
+    monkeypatch.setattr(data_parallel, "parallel_apply", parallel_apply)
+    x = torch.randn(2, 4)
+    for wrapper, autocast, expected in ((torch.nn.DataParallel, True, torch.float16),
+                                        (strategy.AutocastDataParallel, True, torch.bfloat16),
+                                        (strategy.AutocastDataParallel, False, torch.float32)):  # fp32: none added
+        model = wrapper(linear)
+        model.src_device_obj = torch.device("cpu")  # what DataParallel sets on a GPU machine (cuda:0)
+        dtypes.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            outputs = model.parallel_apply([linear, linear], [(x,), (x,)], [{}, {}])
+        assert dtypes == [expected, expected] and {o.dtype for o in outputs} == {expected}, wrapper
 
 
 def test_data_parallel_runs_in_the_precision_the_variable_asks(tiny_model, tmp_path):
@@ -164,20 +279,47 @@ def test_data_parallel_runs_in_the_precision_the_variable_asks(tiny_model, tmp_p
     assert rank_records(tmp_path)[0]["dtypes"]["forward_output"] == "torch.bfloat16"
 
 
-def test_bf16_deepspeed_configs_accumulate_gradients_in_fp32(tmp_path):
+def test_bf16_deepspeed_configs_accumulate_gradients_in_fp32_where_it_overlaps(tmp_path):
+    """ZeRO-2/3 accumulate bf16 gradients in fp32 (grad_accum_dtype) and still overlap their reduction with backward.
+    ZeRO-1 does not set it: with it DeepSpeed 0.19.8 runs stage 1 through BF16_Optimizer (one all-reduce after
+    backward, overlap_comm and the buckets unused). Accumulating in bf16 is refused, with that trade-off named."""
     shipped = sorted((REPO / "ds_configs").glob("*.json"))
-    bf16 = [p for p in shipped if json.loads(p.read_text()).get("bf16", {}).get("enabled")]
-    assert len(bf16) >= 4
-    for path in bf16:
-        assert json.loads(path.read_text())["data_types"] == {"grad_accum_dtype": "fp32"}, path.name
-    ds = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
-    del ds["data_types"]
-    bad = tmp_path / "bf16_accum.json"
-    bad.write_text(json.dumps(ds))
+    configs = {p.stem: json.loads(p.read_text()) for p in shipped}
+    bf16 = {name: ds for name, ds in configs.items() if ds.get("bf16", {}).get("enabled")}
+    assert sorted(bf16) == ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
+    for name, ds in bf16.items():
+        assert ds.get("data_types") == (None if name == "zero1" else {"grad_accum_dtype": "fp32"}), name
     recipe = check_config.recipe_flags({})
-    assert [p for p in launch_checks.deepspeed_problems(str(bad), "no", False, recipe, 2) if "in bf16" in p] == []
-    problems = launch_checks.deepspeed_problems(str(bad), "no", False, {**recipe, "gradient_accumulation_steps": 4}, 2)
-    assert [p for p in problems if "accumulates 4 micro-batches of bf16 gradients in bf16" in p]
+    for name in ("zero1", "zero2"):
+        ds = dict(bf16[name])
+        ds.pop("data_types", None)
+        bad = tmp_path / f"{name}_bf16_accum.json"
+        bad.write_text(json.dumps(ds))
+        assert [p for p in launch_checks.deepspeed_problems(str(bad), "no", False, recipe, 2) if "in bf16" in p] == []
+        problems = [p for p in launch_checks.deepspeed_problems(
+            str(bad), "no", False, {**recipe, "gradient_accumulation_steps": 4}, 2) if "in bf16" in p]
+        assert len(problems) == 1 and "accumulates 4 micro-batches of bf16 gradients in bf16" in problems[0]
+        assert ("BF16_Optimizer" in problems[0]) == (name == "zero1"), problems
+
+
+def test_deepspeed_json_sizes_and_overflow_checks_are_explicit():
+    """ZeRO-3's buckets are numbers, not Accelerate's "auto" (hidden^2: 589,824 elements for roberta-base, ~150
+    reduce-scatters per step); the bf16 configs of ZeRO-1/2 turn off DeepSpeed's per-step overflow check (an
+    all-reduce and a host read every step, for a condition bf16 has no loss scale to act on), which DeepSpeed reads
+    from the JSON as the setting of the optimizer it builds."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    for name in ("zero3", "zero3_offload", "zero3_fp16", "zero3_offload_fp16"):
+        zero = json.loads((REPO / "ds_configs" / f"{name}.json").read_text())["zero_optimization"]
+        assert {k: zero[k] for k in ("reduce_bucket_size", "stage3_prefetch_bucket_size",
+                                     "stage3_param_persistence_threshold")} == {
+            "reduce_bucket_size": 20_000_000, "stage3_prefetch_bucket_size": 20_000_000,
+            "stage3_param_persistence_threshold": 10_000}, name
+    for name in ("zero1", "zero2", "zero2_offload"):
+        ds = json.loads((REPO / "ds_configs" / f"{name}.json").read_text())
+        ds.update(train_micro_batch_size_per_gpu=8, gradient_accumulation_steps=1, train_batch_size=8,
+                  gradient_clipping=1.0)
+        assert DeepSpeedConfig(ds).bfloat16_config.check_grad_overflow is False, name
 
 
 DISPATCH_FILES = tuple(os.path.join("torch", *name.split("/")) for name in (
@@ -254,6 +396,45 @@ def test_training_loop_reads_nothing_from_the_device_between_log_flushes(count_s
     assert faulty.get("cls.train", 0) == 8 and sum(faulty.values()) - sum(counts.values()) == 8, (faulty, counts)
 
 
+def test_fp16_overflow_steps_hold_the_schedule_and_are_counted(monkeypatch, tiny_model, tmp_path):
+    """Under fp16 a step whose gradients overflowed is not applied (accelerator.optimizer_step_was_skipped); the
+    learning-rate schedule, which the recipe steps itself (step_scheduler_with_optimizer=False), must wait with it.
+    The step counter and the data position still advance: the step consumed its window. Rehearsed in one process on
+    CPU (no fp16 here): the property answers True at optimizer step 2. 4 steps, no warm-up, linear decay from 1e-3:
+    the rates used are 1e-3, 7.5e-4, 7.5e-4, 5e-4 (without the guard: ..., 5e-4, 2.5e-4); metrics.jsonl and the
+    checkpoints count the skipped step, and a run resumed from step 2 continues count, rates and losses."""
+    import shutil
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from recipes import cls
+
+    def run(out, skipped_at: set, first_step: int = 1, *flags):
+        steps = iter(range(first_step, 10**6))
+        monkeypatch.setattr(Accelerator, "optimizer_step_was_skipped",
+                            property(lambda self: next(steps) in skipped_at))
+        try:
+            cls.main(parse_config([*TINY_FLAGS, "--max_train_samples", "64", "--max_eval_samples", "16",
+                                   "--per_device_train_batch_size", "8", "--max_train_steps", "4",
+                                   "--checkpointing_steps", "2", "--output_dir", str(out), *flags]))
+        finally:
+            AcceleratorState._reset_state(True)
+        return read_jsonl(out / "metrics.jsonl")
+
+    ref = run(tmp_path / "ref", {2})
+    assert [r["lr"] for r in ref] == pytest.approx([1e-3, 7.5e-4, 7.5e-4, 5e-4], rel=1e-6, abs=0)
+    assert [r["skipped_steps"] for r in ref] == [0, 1, 1, 1] and [r["step"] for r in ref] == [1, 2, 3, 4]
+    for step in (2, 4):
+        state = json.loads((tmp_path / "ref" / "checkpoints" / f"step_{step}" / "trainer_state.json").read_text())
+        assert (state["step"], state["skipped_steps"], state["samples_in_epoch"]) == (step, 1, 8 * step)
+    shutil.copytree(tmp_path / "ref", tmp_path / "resumed")
+    resumed = run(tmp_path / "resumed", set(), 3, "--resume_from_checkpoint",
+                  str(tmp_path / "resumed" / "checkpoints" / "step_2"))
+    keys = ("step", "lr", "skipped_steps", "loss", "samples")
+    assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in ref]
+
+
 def test_gpu_runs_get_pinned_prefetched_batches_and_non_blocking_copies(monkeypatch, tiny_model):
     from transformers import AutoTokenizer
 
@@ -286,29 +467,30 @@ def test_gpu_runs_get_pinned_prefetched_batches_and_non_blocking_copies(monkeypa
         assert captured["dataloader_config"].non_blocking is True and captured["cpu"] is False
         assert torch.get_float32_matmul_precision() == "high"  # fp32 on a GPU: TF32 tensor cores
         torch.set_float32_matmul_precision("highest")
-        strategy.set_matmul_precision(Config(tf32=False), accelerator)
+        strategy.use_tf32_matmuls("cuda", accelerator.mixed_precision, tf32=False)
         accelerator.mixed_precision = "bf16"
-        strategy.set_matmul_precision(Config(), accelerator)
+        strategy.use_tf32_matmuls("cuda", accelerator.mixed_precision, tf32=True)
         assert torch.get_float32_matmul_precision() == "highest"  # off when asked, and not needed under bf16
     finally:
         torch.set_float32_matmul_precision(before)
 
 
 def test_offload_configs_get_deepspeed_cpu_adam_in_adamw_mode():
-    """ZeRO-Offload refuses torch's AdamW (zero_force_ds_cpu_optimizer defaults to true in DeepSpeed 0.19.8): the
-    offload configs get DeepSpeed's CPU Adam in AdamW mode."""
-    offload = json.loads((REPO / "ds_configs" / "zero2_offload.json").read_text())
-    assert "zero_force_ds_cpu_optimizer" not in offload
-    plugin = SimpleNamespace(deepspeed_config=offload)
-    accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin))
-    groups = [{"params": [torch.nn.Parameter(torch.ones(3))], "weight_decay": 0.01}]
+    """With offload_optimizer, Accelerate 1.15.0 replaces the optimizer it is given by DeepSpeed's CPU Adam
+    (map_pytorch_optim_to_deepspeed, zero_force_ds_cpu_optimizer unset), in AdamW mode only when it was given a torch
+    AdamW. The recipe gives it one, so the decay stays decoupled; DeepSpeed's own CPU Adam in AdamW mode, what the
+    recipe built before, came back in L2 mode (weight decay added to the gradient). The launches that check the
+    optimizer DeepSpeed really steps are in tests/test_strategies.py."""
+    from accelerate.utils.deepspeed import map_pytorch_optim_to_deepspeed
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    optimizer = strategy.make_optimizer(accelerator, groups, 1e-3)
-    assert isinstance(optimizer, DeepSpeedCPUAdam) and optimizer.adam_w_mode
-    plain = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(
-        deepspeed_config=json.loads((REPO / "ds_configs" / "zero2.json").read_text()))))
-    assert type(strategy.make_optimizer(plain, groups, 1e-3)) is torch.optim.AdamW
+    groups = [{"params": [torch.nn.Parameter(torch.ones(3))], "weight_decay": 0.01},
+              {"params": [torch.nn.Parameter(torch.ones(2))], "weight_decay": 0.0}]
+    mapped = map_pytorch_optim_to_deepspeed(torch.optim.AdamW(groups, lr=1e-3))
+    assert isinstance(mapped, DeepSpeedCPUAdam) and mapped.adam_w_mode
+    assert [(g["weight_decay"], g["lr"], g["betas"], g["eps"]) for g in mapped.param_groups] == [
+        (0.01, 1e-3, (0.9, 0.999), 1e-8), (0.0, 1e-3, (0.9, 0.999), 1e-8)]
+    assert not map_pytorch_optim_to_deepspeed(DeepSpeedCPUAdam(groups, lr=1e-3, adamw_mode=True)).adam_w_mode
 
 
 @pytest.mark.parametrize("device, ds_json, requested, omp, local, cores, expected", [
@@ -341,6 +523,39 @@ def test_cpu_threads_follow_the_machine_unless_the_user_chose(monkeypatch, devic
         assert got == torch.get_num_threads() == (7 if expected is None else expected)
     finally:
         torch.set_num_threads(before)
+
+
+def test_bench_baselines_take_one_gpu_the_runs_precision_and_the_recipes_matmul_math(monkeypatch, tmp_path):
+    """BENCH=full on 4 GPUs: loop, Trainer and `alternate` run in one process on the first visible GPU (Trainer would
+    take all four: nn.DataParallel and 4 x the batch) in the model's precision, and the baselines refuse several GPUs
+    themselves; on a GPU in fp32 they compute with TF32 matmuls as the recipe does (recipes/strategy.py
+    use_tf32_matmuls), so the fp32 comparisons are of the same math."""
+    from scripts import bench_baselines
+
+    profile = bench.PROFILES["full"]
+    spec = next(s for s in profile.models if s.name == "roberta-base")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,4,5")
+    for name in ("loop", "trainer", "alternate", "ddp"):
+        run = bench.Run(model=spec.name, name=name, kind="baseline" if name in bench.BASELINES else "strategy")
+        command = bench.plan_command(run, spec, profile, tmp_path / name, tmp_path, "recipes/cls.py", 4)
+        if name == "ddp":
+            assert run.env == {} and run.world == 4
+        else:
+            assert run.env == {"CUDA_VISIBLE_DEVICES": "2"} and command[command.index("--precision") + 1] == "bf16"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(SystemExit, match="the baselines run on one GPU"):
+        bench_baselines.select_device("fp32", True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    before = torch.get_float32_matmul_precision()
+    try:
+        for precision, tf32, expected in (("bf16", True, "highest"), ("fp32", False, "highest"),
+                                          ("fp32", True, "high")):
+            torch.set_float32_matmul_precision("highest")
+            assert bench_baselines.select_device(precision, tf32).type == "cuda"
+            assert torch.get_float32_matmul_precision() == expected, (precision, tf32)
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 @pytest.mark.parametrize("n_gpus", range(1, 9))

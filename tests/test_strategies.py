@@ -31,7 +31,25 @@ BF16 = {"fsdp.yaml", "zero1.yaml", "zero2.yaml", "zero3.yaml", "zero2_offload.ya
 # bits: measured max 1.2e-7 over 8 steps (2 ulp of a loss near 0.7); the bound allows 4x that. FSDP2 does the
 # same arithmetic as DDP: one ulp at most (below). A real difference (a missed all-reduce, another
 # dropout stream, a wrong loss scale) moves the losses by 1e-3 to 1e-2 from the second step on.
-PARITY_ATOL = {"zero1.yaml": 5e-7, "zero2.yaml": 5e-7, "zero3.yaml": 5e-7, "fsdp.yaml": 5e-7}
+PARITY_ATOL = {"zero1.yaml": 5e-7, "zero2.yaml": 5e-7, "zero3.yaml": 5e-7, "fsdp.yaml": 5e-7,
+               "zero2_offload.yaml": 5e-7, "zero3_offload.yaml": 5e-7}
+# The optimizer each strategy really steps, under Accelerate's and DeepSpeed's wrappers (probe.optimizer_record):
+# always AdamW's decoupled weight decay. With offload_optimizer Accelerate 1.15.0 swaps in DeepSpeed's CPU Adam, in
+# AdamW mode only because the recipe hands it a torch AdamW: with DeepSpeed's own CPU Adam it came back in L2 mode
+# and the offload runs left DDP by up to 1.6e-2 within these 8 steps (measured). ZeRO-1 in bf16 runs through
+# DeepSpeedZeroOptimizer, not BF16_Optimizer (whose all-reduce does not overlap backward).
+OPTIMIZER_CHAIN = {
+    "single.yaml": ["AcceleratedOptimizer", "AdamW"], "ddp.yaml": ["AcceleratedOptimizer", "AdamW"],
+    "fsdp.yaml": ["AcceleratedOptimizer", "AdamW"],
+    "zero1.yaml": ["DeepSpeedOptimizerWrapper", "DeepSpeedZeroOptimizer", "AdamW"],
+    "zero2.yaml": ["DeepSpeedOptimizerWrapper", "DeepSpeedZeroOptimizer", "AdamW"],
+    "zero3.yaml": ["DeepSpeedOptimizerWrapper", "DeepSpeedZeroOptimizer_Stage3", "AdamW"],
+    "zero2_offload.yaml": ["DeepSpeedOptimizerWrapper", "DeepSpeedZeroOptimizer", "DeepSpeedCPUAdam"],
+    "zero3_offload.yaml": ["DeepSpeedOptimizerWrapper", "DeepSpeedZeroOptimizer_Stage3", "DeepSpeedCPUAdam"],
+}
+# Extra flags of a shipped config's run: FSDP2 accumulates (2 micro-batches of 4 per step, the same 8 samples), so
+# the run shows the dtype its gradients are accumulated in between micro-batches.
+SHIPPED_FLAGS = {"fsdp.yaml": ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]}
 # Pre-clip gradient norms vs DDP, relative: the same float32 reduction-order noise as the losses. AdamW is nearly
 # blind to a constant factor on the gradient and clipping rescales it, so only the norm shows a wrong scale.
 GRAD_NORM_RTOL = 1e-5
@@ -59,7 +77,7 @@ def test_shipped_config_trains_to_completion(request, tmp_path, config):
         request.getfixturevalue("tiny_model")
         # --cpu_threads 0 (the default; the tests pin 1): accelerate launch's OMP_NUM_THREADS=1 is overridden by the
         # machine's cores / the processes on it
-        run_recipe(tmp_path, *PARITY_FLAGS, "--cpu_threads", "0", config=config)
+        run_recipe(tmp_path, *PARITY_FLAGS, "--cpu_threads", "0", *SHIPPED_FLAGS.get(config, []), config=config)
     resolved = json.loads((tmp_path / "run_config.json").read_text())
     world = 1 if config == "single.yaml" else 2
     assert resolved["cpu_threads"] == (1 if config == "ddp.yaml" else max(1, strategy.available_cores() // world))
@@ -83,8 +101,15 @@ def test_shipped_config_trains_to_completion(request, tmp_path, config):
     reported = read_jsonl(tmp_path / "eval.jsonl")[-1]
     assert single["n_examples"] == reported["n_examples"] == 101
     assert abs(single["accuracy"] - reported["accuracy"]) <= (2 / 101 if config in BF16 else 0), (single, reported)
-    dtypes = rank_records(tmp_path)[0]["dtypes"]
+    record = rank_records(tmp_path)[0]
+    dtypes = record["dtypes"]
     assert dtypes["master_params"] == ["torch.float32"] and dtypes["optimizer_state"] == ["torch.float32"]
+    # the optimizer that steps; DeepSpeed's per-step overflow check is off in the bf16 ZeRO-1/2 configs (ZeRO-3's
+    # optimizer checks every step, whatever the config)
+    assert record["optimizer"] == {"chain": OPTIMIZER_CHAIN[config], "decoupled_weight_decay": True,
+                                   "check_grad_overflow": False if config[:5] in ("zero1", "zero2") else None}
+    # FSDP2 under bf16 keeps the gradients of a step's first micro-batch in fp32 until the step's reduce-scatter
+    assert record["accumulated_grad_dtypes"] == (["torch.float32"] if config == "fsdp.yaml" else [])
     if config in BF16:
         assert resolved["mixed_precision"] == "bf16"
         assert dtypes["forward_output"] == "torch.bfloat16"
@@ -94,7 +119,7 @@ def test_shipped_config_trains_to_completion(request, tmp_path, config):
 
 
 
-@pytest.mark.parametrize("config", ["fsdp.yaml", "zero1.yaml", "zero2.yaml", "zero3.yaml"])
+@pytest.mark.parametrize("config", sorted(PARITY_ATOL))
 def test_fp32_losses_match_ddp(ddp_parity_reference, tmp_path, config):
     ref_dir = ddp_parity_reference
     run_recipe(tmp_path, *PARITY_FLAGS, config=config, launch_args=fp32_launch_args(config, tmp_path))
@@ -116,6 +141,7 @@ def test_fp32_losses_match_ddp(ddp_parity_reference, tmp_path, config):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=0, msg=name)
     if config == "fsdp.yaml":  # bit-equal losses would also come from a silent fall-back to plain DDP
         assert_sharded(rank_records(tmp_path), rank_records(ddp_parity_reference))
+    assert [r["optimizer"]["chain"] for r in rank_records(tmp_path)] == [OPTIMIZER_CHAIN[config]] * 2
 
 
 def assert_sharded(fsdp_ranks, ddp_ranks):

@@ -198,12 +198,15 @@ def test_memory_model_zero1():
     fp32 = mm.totals(mm.predict("zero1", shape, N, "fp32"))
     assert fp32["resident"] == 4 * P + 12 * P // N  # whole fp32 module, sharded master + moments
     assert fp32["peak"] == 4 * P + 12 * P // N + 4 * P + 2 * bucket * 4  # + whole gradients + 2 buckets
-    # As shipped, bf16 accumulates in fp32 (data_types): DeepSpeed uses BF16_Optimizer, a whole fp32 gradient buffer.
-    bf16_acc = mm.totals(mm.predict("zero1", shape, N, "bf16"))
-    assert bf16_acc["resident"] == bf16_acc["peak"] == 2 * P + 4 * P + 12 * P // N
-    ds = {k: v for k, v in mm.load_ds_config("zero1").items() if k != "data_types"}
-    bf16 = mm.totals(mm.predict("zero1", shape, N, "bf16", ds_config=ds))
+    # As shipped, bf16 without fp32 accumulation: DeepSpeedZeroOptimizer, bf16 module, sharded master + moments;
+    # around the step the whole bf16 gradients, the fp32 copy of the partition and 2 bf16 buckets.
+    bf16 = mm.totals(mm.predict("zero1", shape, N, "bf16"))
     assert bf16["resident"] == 2 * P + 12 * P // N
+    assert bf16["peak"] == 2 * P + 12 * P // N + 2 * P + 4 * P // N + 2 * bucket * 2
+    # With "data_types": {"grad_accum_dtype": "fp32"} DeepSpeed uses BF16_Optimizer: a whole fp32 gradient buffer.
+    ds = {**mm.load_ds_config("zero1"), "data_types": {"grad_accum_dtype": "fp32"}}
+    bf16_acc = mm.totals(mm.predict("zero1", shape, N, "bf16", ds_config=ds))
+    assert bf16_acc["resident"] == bf16_acc["peak"] == 2 * P + 4 * P + 12 * P // N
 
 
 # README_zh.md ----------------------------------------------------------------------------------------------------
