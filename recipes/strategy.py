@@ -263,12 +263,13 @@ def exit_process(code: int) -> NoReturn:
     its reference to the finished work (and the tensors in it) a moment after the caller's wait returns, and freeing
     a tensor Python owned takes the GIL. If the main thread is finalizing the interpreter by then, CPython ends the
     worker thread (pthread_exit) and the unwind aborts the process: "terminate called without an active exception",
-    exit -6, after final/ was written, so a scheduler requeues a finished run (pytorch/pytorch#190489). Destroying the
-    process groups first would join those threads, but DeepSpeed 0.19.8 keeps its groups alive past
-    destroy_process_group (deepspeed.utils.groups, every ZeRO-3 parameter's ds_process_group). Measured with 2 gloo
-    ranks ending on an all-gather (tests/exit_race_worker.py): 10 of 20 launches aborted at a normal exit, 0 of 20
-    through this function. Python's exit functions (logging, file locks, tracker sessions) run first, as at any exit;
-    only the finalization is skipped.
+    exit -6, after final/ was written, so a scheduler requeues a finished run (pytorch/pytorch#190489); seen here
+    after a zero3_offload launch and, in a suite run of the previous revision, after an FSDP2 one. Destroying the
+    process groups first joins those threads only for groups nothing else holds: DeepSpeed 0.19.8 keeps its groups in
+    deepspeed.utils.groups and on every ZeRO-3 parameter (ds_process_group). Measured with 2 gloo ranks ending on an
+    all-gather on a group a module keeps (tests/exit_race_worker.py): 10 of 20 launches aborted at a normal exit, 0 of
+    20 through this function. Python's exit functions (logging, file locks, tracker sessions) run first, as at any
+    exit;     only the finalization is skipped.
     """
     atexit._run_exitfuncs()
     sys.stdout.flush()
