@@ -175,7 +175,7 @@ def plan_command(run: Run, spec: ModelSpec, profile: Profile, run_dir: Path, run
     shared += ["--random_init"] if spec.random_init else []
     if run.name in ("loop", "trainer", "alternate") and n_gpus > 1:
         # One process on one GPU: Trainer would take every visible GPU (nn.DataParallel, a batch per GPU).
-        run.env = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
+        run.env = {"CUDA_VISIBLE_DEVICES": first_gpu()}
     if run.name == "alternate":  # only its epoch times are reported: a small evaluation
         return [PYTHON, "scripts/bench_baselines.py", "alternate", *shared, "--batch_size", str(batch),
                 "--precision", spec.precision, "--rounds", str(profile.alternate_rounds), "--max_eval_samples", "64",
@@ -204,6 +204,11 @@ def plan_command(run: Run, spec: ModelSpec, profile: Profile, run_dir: Path, run
     else:
         launch += ["--mixed_precision", "bf16" if spec.precision == "bf16" else "no"]
     return [*launch, *recipe_args]
+
+
+def first_gpu() -> str:
+    """The first GPU this process may use, as CUDA_VISIBLE_DEVICES names it, for a run pinned to one GPU."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
 
 
 def world_of(name: str, n_gpus: int, max_world: int = 8) -> int:

@@ -346,10 +346,6 @@ def limited(profile, deadline: float):
     return replace(profile, run_timeout=int(min(profile.run_timeout, max(1.0, deadline - now()))))
 
 
-def first_gpu(env: dict) -> str:
-    return env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
-
-
 def fresh_run_dir(run, run_dir: Path) -> Path:
     """An empty run folder, as run_bench makes it: no records of an earlier run may be read as this one's."""
     run.run_dir = str(run_dir.relative_to(REPO) if run_dir.is_relative_to(REPO) else run_dir)
@@ -380,7 +376,7 @@ def execute_reference(batch: int, spec, profile, n_gpus: int, runs_dir: Path, sh
     command += ["--tf32", "false", "--per_device_train_batch_size", str(micro),
                 "--gradient_accumulation_steps", str(max(1, batch // micro))]
     run.effective_batch = batch
-    env = {**bench.run_env(run.threads, 1), "CUDA_VISIBLE_DEVICES": first_gpu(os.environ)}
+    env = {**bench.run_env(run.threads, 1), "CUDA_VISIBLE_DEVICES": bench.first_gpu()}
     bench.execute(run, command, run_dir, limited(profile, deadline), env)
     if run.status == "ok":
         bench.collect(run, run_dir, profile, shape)
