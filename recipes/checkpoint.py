@@ -4,7 +4,8 @@ A checkpoint is `checkpoints/step_N/` (Accelerate's `save_state`: model, optimiz
 states; DeepSpeed and FSDP shards from every rank) plus `trainer_state.json`: the step, the position in the data as
 samples consumed in the epoch, the batch layout (per-device batch, world size, accumulation) it was written with,
 and its length grouping (the resumed epoch keeps that order, whatever this run's --group_by_length). The file
-`checkpoints/latest` names the newest complete one. Resuming on another world size is in elastic.py.
+`checkpoints/latest` names the newest complete one. Resuming on another world size is in elastic.py; rotation,
+the preemption marker and the best model in longrun.py.
 """
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ class ResumePoint:
     length_group: int = 0  # its --group_by_length group (global batch) that ordered the epoch; 0: a plain permutation
     skipped_steps: int = 0  # optimizer steps skipped on fp16 overflow before the checkpoint (their windows count)
     cuda_devices: Optional[list] = None  # the local CUDA device index of each saving rank; None: not recorded
+    global_batch: int = 0  # samples per optimizer step of the run that wrote it
+    long_run: Optional[dict] = None  # its best-so-far and patience count (longrun.LongRun.state)
+    eval_pending: bool = False  # written on a preemption before the evaluation due at its step: run that first
 
 
 def check_shared_output_dir(accelerator, out: Path) -> None:
@@ -80,57 +84,88 @@ def checkpoint_due(every: str | None, step: int, end_of_epoch: bool) -> bool:
     return step % int(every) == 0
 
 
-def save_checkpoint(accelerator, out: Path, state: dict, probe) -> None:
-    """Save everything resume needs, atomically: a complete checkpoint or none.
+def save_checkpoint(accelerator, out: Path, state: dict, probe, keep: Optional[int] = None) -> Path:
+    """Save everything resume needs, atomically: a complete checkpoint or none; then keep the newest `keep`.
 
     Every rank writes into checkpoints/step_N.tmp (DeepSpeed and FSDP save shards from every rank, and each rank its
     RNG state); only when all are done does rank 0 rename it to step_N and then replace the `latest` pointer file, so
-    a crash at any point leaves `latest` naming the previous complete checkpoint.
+    a crash at any point leaves `latest` naming the previous complete checkpoint. A save that fails on any rank (disk
+    full, quota, an unwritable folder) stops every rank with one RecipeError, since the ranks compare their verdicts
+    after each phase; `latest` then still names the previous checkpoint. Older checkpoints are removed only after
+    the new one is complete (longrun.rotate_checkpoints), unlike Accelerate's own `total_limit`, which removes first.
     """
+    from recipes.longrun import rotate_checkpoints
+
     root = out / "checkpoints"
     name = f"step_{state['step']}"
     tmp = root / f"{name}.tmp"
+    error = None
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    probe.saved(state["step"])
-    devices = local_cuda_devices(accelerator)
-    accelerator.wait_for_everyone()
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        except OSError as err:
+            error = err
+    agree_saved(accelerator, name, error)
+    try:
+        accelerator.save_state(str(tmp))
+        probe.saved(state["step"])
+    except Exception as err:  # noqa: BLE001 - any rank's failure, reported by every rank below
+        error = err
+    devices = agree_saved(accelerator, name, error, torch.cuda.current_device() if torch.cuda.is_available() else None)
     if accelerator.is_main_process:
-        (tmp / "trainer_state.json").write_text(json.dumps({**state, "cuda_devices": devices}, indent=2) + "\n")
-        shutil.rmtree(root / name, ignore_errors=True)
-        tmp.rename(root / name)
-        (root / "latest.tmp").write_text(name + "\n")
-        os.replace(root / "latest.tmp", root / "latest")
-    accelerator.wait_for_everyone()
+        try:
+            (tmp / "trainer_state.json").write_text(json.dumps({**state, "cuda_devices": devices}, indent=2) + "\n")
+            shutil.rmtree(root / name, ignore_errors=True)
+            tmp.rename(root / name)
+            (root / "latest.tmp").write_text(name + "\n")
+            os.replace(root / "latest.tmp", root / "latest")
+        except OSError as err:
+            error = err
+    agree_saved(accelerator, name, error)
+    if accelerator.is_main_process:
+        rotate_checkpoints(root, keep)
+    return root / name
 
 
-def local_cuda_devices(accelerator) -> list:
-    """The CUDA device index each rank computes on, by rank (None on CPU); a collective: every rank calls it.
+def agree_saved(accelerator, name: str, error: Optional[BaseException], device=None) -> list:
+    """Every rank's verdict on a phase of saving checkpoint `name` (a collective); a RecipeError on every rank if any
+    failed. Returns each rank's `device`, by rank: the CUDA device index it computes on (None on CPU).
 
-    Accelerate 1.15.0 saves every visible device's CUDA generator state in each rank's random_states_<rank>.pkl, by
-    device number (`torch.cuda.get_rng_state_all`), and restores them by number: on another layout of GPUs per
-    machine (2 x 4 -> 1 x 8, or back) rank r sits on another device number than when it saved, so its own stream is
-    found only through the number it had then.
+    Why the devices are recorded: Accelerate 1.15.0 saves every visible device's CUDA generator state in each rank's
+    random_states_<rank>.pkl, by device number (`torch.cuda.get_rng_state_all`), and restores them by number: on
+    another layout of GPUs per machine (2 x 4 -> 1 x 8, or back) rank r sits on another device number than when it
+    saved, so its own stream is found only through the number it had then (restore_cuda_rng).
     """
-    mine = torch.cuda.current_device() if torch.cuda.is_available() else None
+    mine = (device, None if error is None else f"{type(error).__name__}: {error}")
     if accelerator.num_processes == 1:
-        return [mine]
-    from accelerate.utils import gather_object
+        verdicts = [mine]
+    else:
+        from accelerate.utils import gather_object
 
-    return gather_object([mine])
+        verdicts = gather_object([mine])
+    failed = [(rank, why) for rank, (_, why) in enumerate(verdicts) if why]
+    if failed:
+        rank, why = failed[0]
+        raise RecipeError(f"saving checkpoint {name} failed on rank(s) {', '.join(str(r) for r, _ in failed)} "
+                          f"(rank {rank}: {why}); checkpoints/latest still names the previous complete checkpoint")
+    return [d for d, _ in verdicts]
 
 
 def find_checkpoint(cfg, world_size: int) -> ResumePoint:
-    """The checkpoint to resume from, checked against this run; a fresh start without --resume_from_checkpoint."""
+    """The checkpoint to resume from, checked against this run; a fresh start without --resume_from_checkpoint.
+
+    `latest` needs a checkpoint; `auto` resumes from the one `latest` names when there is one and starts fresh
+    otherwise, so that one command serves the first start and every restart (by an elastic agent, a requeue).
+    """
     if not cfg.resume_from_checkpoint:
         return ResumePoint()
     path = Path(cfg.resume_from_checkpoint)
-    if cfg.resume_from_checkpoint == "latest":
+    if cfg.resume_from_checkpoint in ("latest", "auto"):
         pointer = Path(cfg.output_dir) / "checkpoints" / "latest"
         if not pointer.is_file():
+            if cfg.resume_from_checkpoint == "auto":
+                return ResumePoint()
             raise RecipeError(f"--resume_from_checkpoint latest: no checkpoint in {pointer.parent}")
         path = pointer.parent / pointer.read_text().strip()
     try:
@@ -145,7 +180,9 @@ def find_checkpoint(cfg, world_size: int) -> ResumePoint:
             raise RecipeError(f"checkpoint {path} has no RNG state for rank {rank} (random_states_{rank}.pkl)")
     return ResumePoint(step=state["step"], epoch=state["epoch"], samples_in_epoch=state["samples_in_epoch"],
                        path=path, saved_world=state["world_size"], length_group=state.get("length_group", 0),
-                       skipped_steps=state.get("skipped_steps", 0), cuda_devices=state.get("cuda_devices"))
+                       skipped_steps=state.get("skipped_steps", 0), cuda_devices=state.get("cuda_devices"),
+                       global_batch=elastic.global_batch(state), long_run=state.get("long_run"),
+                       eval_pending=state.get("eval_pending", False))
 
 
 def load_checkpoint(accelerator, optimizer, start: ResumePoint, seed: int) -> None:
@@ -190,6 +227,32 @@ def restore_cuda_rng(saved: dict, start: ResumePoint, rank: int) -> None:
     if not torch.equal(states[index], torch.cuda.get_rng_state(device)):
         raise RecipeError(f"checkpoint {start.path}: the CUDA RNG state of rank {rank} (cuda:{device}) was not "
                           "restored")
+
+
+def save_weights(accelerator, model, tokenizer, folder: Path, info: Optional[dict] = None) -> None:
+    """Write a folder `from_pretrained` loads (final/, best/) through a temporary one, so a crash never leaves it
+    half-written; `info` (best/: the evaluation that made it the best) goes beside the weights as best_model.json."""
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)  # a collective under ZeRO-3 / FSDP: every rank calls it
+    if accelerator.is_main_process:
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if info is not None:
+            (tmp / "best_model.json").write_text(json.dumps(info, indent=2) + "\n")
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+    accelerator.wait_for_everyone()
+
+
+def copy_weights(src: Path, folder: Path) -> None:
+    """Copy a weights folder (best/ -> final/ for --load_best_model_at_end) through a temporary one."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
 
 
 def truncate_records(out: Path, step: int) -> None:

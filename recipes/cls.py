@@ -5,7 +5,8 @@
 
 The strategy (DDP, FSDP, DeepSpeed ZeRO-2/3, offload, bf16) comes from the launch config, never from this file.
 `python recipes/cls.py --data_parallel` runs plain `nn.DataParallel` over the visible GPUs in one process.
-Output contract (in --output_dir): run_config.json, metrics.jsonl, eval.jsonl, TensorBoard events, final/.
+Output contract (in --output_dir): run_config.json, metrics.jsonl, eval.jsonl, TensorBoard events, final/, best/,
+checkpoints/ (with --checkpointing_steps or on a preemption: exit status 3, see recipes/longrun.py).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTo
                           get_linear_schedule_with_warmup)
 
 from recipes import (RecipeError, activation_checkpointing, checkpoint, data, elastic, flag_checks, launch_checks,
-                     predict, problem, records, strategy, tasks)
+                     longrun, predict, problem, records, strategy, tasks)
 from recipes.metrics import compute_metrics, load_metrics
 from recipes.probe import Probe
 
@@ -71,7 +72,14 @@ class Config:
     data_parallel: bool = field(default=False, metadata={
         "help": "wrap in nn.DataParallel over visible GPUs (precision: ACCELERATE_MIXED_PRECISION=bf16|fp16|no)"})
     checkpointing_steps: Optional[str] = field(default=None, metadata={"help": "save a checkpoint every N steps or 'epoch'"})
-    resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "checkpoint folder or 'latest'"})
+    resume_from_checkpoint: Optional[str] = field(default=None, metadata={
+        "help": "checkpoint folder, 'latest', or 'auto' (latest if there is one, else a fresh start: for restarts)"})
+    save_total_limit: Optional[int] = field(default=None, metadata={"help": "keep the newest N checkpoints only"})
+    metric_for_best_model: Optional[str] = field(default=None, metadata={
+        "help": "eval metric that picks best/ (default accuracy|pearson|micro_f1; *loss is minimised)"})
+    load_best_model_at_end: bool = field(default=False, metadata={"help": "final/ holds the best model, not the last"})
+    early_stopping_patience: Optional[int] = field(default=None, metadata={
+        "help": "stop after N evaluations without a better --metric_for_best_model"})
     force_resume: bool = field(default=False, metadata={"help": "resume even with another global batch or seed"})
     record_ranks: bool = field(default=False, metadata={"help": "write ranks/rank<i>.json: sample ids, param sums"})
     ddp_timeout: int = field(default=1800, metadata={"help": "seconds a collective may wait before failing"})
@@ -144,25 +152,54 @@ def evaluate(model, eval_dl, accelerator: Accelerator, metrics, problem_type: st
     logits, references = torch.cat(all_logits), torch.cat(references)
     keep = problem.scored(problem_type, references)
     predictions = problem.predictions(problem_type, logits[keep], threshold)
+    loss = float(problem.loss_sum(problem_type, logits[keep], references[keep])) / max(1, int(keep.sum()))
     model.train()
-    return {**compute_metrics(metrics, predictions, references[keep]), "n_examples": int(keep.sum())}
+    return {**compute_metrics(metrics, predictions, references[keep]), "loss": loss, "n_examples": int(keep.sum())}
 
 
 def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, loaders: data.Loaders, metrics,
-          start: checkpoint.ResumePoint, probe: Probe) -> dict:
+          start: checkpoint.ResumePoint, probe: Probe, run: longrun.LongRun, tokenizer) -> dict:
     out, world, accum = Path(cfg.output_dir), accelerator.num_processes, cfg.gradient_accumulation_steps
     plan = loaders.plan
     model.train()  # from_pretrained returns a model in eval mode
     step, skipped, last_eval, t0 = start.step, start.skipped_steps, None, time.perf_counter()
     progress = tqdm(total=plan.total_steps, initial=step, disable=not accelerator.is_local_main_process, desc="train")
-    log = records.StepLog(accelerator, out / "metrics.jsonl", cfg.logging_steps, progress)
-    for epoch in range(start.epoch, plan.epochs):
+    log = records.StepLog(accelerator, out / "metrics.jsonl", cfg.logging_steps, progress, on_flush=run.check_block)
+
+    def evaluate_step(epoch: int) -> dict:  # the evaluation after `step`; a new best is kept as best/
+        result = {"step": step, "epoch": epoch, **evaluate(model, loaders.eval, accelerator, metrics,
+                                                            cfg.problem_type, cfg.multi_label_threshold)}
+        if run.after_eval(result):
+            checkpoint.save_weights(accelerator, model, tokenizer, out / "best", result)
+        accelerator.log({f"eval/{k}": v for k, v in result.items() if isinstance(v, float)}, step=step)
+        if accelerator.is_main_process:
+            records.append_jsonl(out / "eval.jsonl", result)
+        return result
+
+    def save(epoch: int, end_of_epoch: bool, micro: int, eval_pending: bool = False) -> str:
+        position = {"epoch": epoch + 1, "samples_in_epoch": 0} if end_of_epoch else \
+            {"epoch": epoch, "samples_in_epoch": loaders.sampler.samples_done(micro + 1)}
+        path = checkpoint.save_checkpoint(accelerator, out, {
+            "step": step, **position, "world_size": world, "gradient_accumulation_steps": accum,
+            "per_device_train_batch_size": cfg.per_device_train_batch_size, "seed": cfg.seed,
+            "length_group": loaders.sampler.group_size, "skipped_steps": skipped, "long_run": run.state(),
+            "eval_pending": eval_pending}, probe, cfg.save_total_limit)
+        run.saved(path)
+        return path.name
+
+    if start.eval_pending:  # preempted where an evaluation was due: it is this step's, before any training
+        last_eval = evaluate_step(start.epoch if start.samples_in_epoch else start.epoch - 1)
+    for epoch in range(start.epoch, plan.epochs if not run.stop_early else start.epoch):
         # Accelerate 1.15.0's prepared loader re-sets a single-process sampler's epoch to its own pass counter on each
         # iteration, a counter that starts at 0 in a resumed run: set the loader's epoch too, not only the sampler's.
         loaders.train.set_epoch(epoch)
-        loaders.sampler.set_epoch(epoch)  # the sampler starts the resumed epoch at the checkpoint's sample position
-        windows = plan.windows(epoch)
-        for micro, batch in enumerate(loaders.train):
+        loaders.sampler.set_epoch(epoch)
+        windows, batches = plan.windows(epoch), loaders.train
+        skip = loaders.consumed_batches(epoch)  # resumed mid-epoch: the micro-batches the checkpoint trained on
+        if skip:
+            batches = data.keep_loader_options(accelerator.skip_first_batches(loaders.train, skip), loaders.train)
+        probe.epoch(epoch, batches)
+        for micro, batch in enumerate(batches, start=skip):
             probe.batch(batch)
             n_window = windows[micro // accum]
             labels = batch.pop("labels")
@@ -184,52 +221,37 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
                 scheduler.step()
             step += 1  # a skipped step still consumed its window of samples
             log.end_step({"step": step, "epoch": epoch, "lr": lr, "samples": n_window, "skipped_steps": skipped,
-                          "elapsed": time.perf_counter() - t0}, grad_norm)
+                          "elapsed": time.perf_counter() - t0}, grad_norm, run.stop_vote())
             progress.update(1)
             end_of_epoch = micro + 1 == len(loaders.train)
-            if (cfg.eval_steps and step % cfg.eval_steps == 0) or end_of_epoch or step == plan.total_steps:
-                log.flush()
-                last_eval = {"step": step, "epoch": epoch, **evaluate(model, loaders.eval, accelerator, metrics,
-                                                                       cfg.problem_type, cfg.multi_label_threshold)}
-                accelerator.log({f"eval/{k}": v for k, v in last_eval.items() if k not in ("step", "epoch")},
-                                step=step)
-                if accelerator.is_main_process:
-                    records.append_jsonl(out / "eval.jsonl", last_eval)
+            eval_due = (cfg.eval_steps and step % cfg.eval_steps == 0) or end_of_epoch or step == plan.total_steps
+            save_due = checkpoint.checkpoint_due(cfg.checkpointing_steps, step, end_of_epoch)
+            if eval_due or save_due:
+                log.flush()  # records up to here; the ranks' common checks (longrun) run on what it reads
+            if run.preempted:  # a stop signal reached some rank: every rank saw it at the same flush
+                run.leave_preempted(accelerator, save(epoch, end_of_epoch, micro, eval_pending=bool(eval_due)))
+            if eval_due:
+                last_eval = evaluate_step(epoch)
             probe.step(step)
-            if checkpoint.checkpoint_due(cfg.checkpointing_steps, step, end_of_epoch):
-                log.flush()  # metrics.jsonl holds every step up to the checkpoint
-                position = {"epoch": epoch + 1, "samples_in_epoch": 0} if end_of_epoch else \
-                    {"epoch": epoch, "samples_in_epoch": loaders.sampler.samples_done(micro + 1)}
-                checkpoint.save_checkpoint(accelerator, out, {
-                    "step": step, **position, "world_size": world, "gradient_accumulation_steps": accum,
-                    "per_device_train_batch_size": cfg.per_device_train_batch_size, "seed": cfg.seed,
-                    "length_group": loaders.sampler.group_size, "skipped_steps": skipped}, probe)
-            if step == plan.total_steps:
+            if save_due or (run.stop_early and cfg.checkpointing_steps):  # a restart then knows the run has ended
+                save(epoch, end_of_epoch, micro)
+            if step == plan.total_steps or run.stop_early:
                 break
+        if run.stop_early:
+            accelerator.print(f"early stopping after step {step}: {run.bad_evals} evaluations without a better "
+                              f"{run.metric}")
+            break
     log.flush()
     progress.close()
-    if last_eval is None:  # resumed from a checkpoint of the last step: nothing left to train
+    if last_eval is None:  # resumed from a checkpoint of the last step, or after early stopping: nothing to train
         last_eval = {"step": step, "epoch": start.epoch, **evaluate(model, loaders.eval, accelerator, metrics,
                                                                     cfg.problem_type, cfg.multi_label_threshold)}
     probe.finish(out, model, optimizer, accelerator.device)
     return last_eval
 
 
-def save_final(accelerator: Accelerator, model, tokenizer, out: Path) -> None:
-    """Write final/ through a temporary folder, so a crash never leaves a half-written final/."""
-    accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)  # a collective under ZeRO-3 / FSDP: every rank calls it
-    if accelerator.is_main_process:
-        tmp, final = out / "final.tmp", out / "final"
-        shutil.rmtree(tmp, ignore_errors=True)
-        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-    accelerator.wait_for_everyone()
-
-
 def main(cfg: Config) -> dict:
+    longrun.install_signal_handlers()  # a stop signal from here on ends the run at a checkpoint (recipes/longrun.py)
     flag_checks.check_model_source(cfg)  # before any process group: a bad model path fails alike on every rank
     accelerator = strategy.make_accelerator(cfg)
     out = Path(cfg.output_dir)
@@ -247,6 +269,7 @@ def main(cfg: Config) -> dict:
             failure = err
     if failure:
         raise failure
+    run = longrun.LongRun(cfg, cfg.problem_type, start, out)  # checks --metric_for_best_model
     loaders = data.build_loaders(cfg, train_ds, eval_ds, tokenizer, accelerator.num_processes, resume=start,
                                  device_type=accelerator.device.type)
     total_steps = loaders.plan.total_steps
@@ -268,10 +291,13 @@ def main(cfg: Config) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         if start.path:
             checkpoint.truncate_records(out, start.step)
+            (out / "checkpoints" / longrun.PREEMPTED_MARKER).unlink(missing_ok=True)  # this run goes on from it
         else:
             for name in ("metrics.jsonl", "eval.jsonl"):
                 (out / name).unlink(missing_ok=True)
-        resolved = records.describe_run(cfg, accelerator, total_steps, len(train_ds), len(eval_ds))
+            shutil.rmtree(out / "best", ignore_errors=True)  # another run's best model
+        resolved = {**records.describe_run(cfg, accelerator, total_steps, len(train_ds), len(eval_ds)),
+                    "long_run": run.describe()}
         (out / "run_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
     accelerator.init_trackers("cls", config=records.tracker_config(asdict(cfg)))
     with accelerator.main_process_first():  # rank 0 copies the metric modules into evaluate's cache first
@@ -283,13 +309,22 @@ def main(cfg: Config) -> dict:
     if start.path:
         checkpoint.load_checkpoint(accelerator, optimizer, start, cfg.seed)  # model, optimizer, scheduler, RNGs
         accelerator.print(f"resumed from {start.path} at step {start.step}")
+    elif cfg.resume_from_checkpoint == "auto":
+        accelerator.print(f"--resume_from_checkpoint auto: no checkpoint in {out / 'checkpoints'}, starting fresh")
     probe.watch(model)
-    result = train(cfg, accelerator, model, optimizer, scheduler, loaders, metrics, start, probe)
+    result = train(cfg, accelerator, model, optimizer, scheduler, loaders, metrics, start, probe, run, tokenizer)
     if predict_ds is not None:
         predict.write_predictions(cfg, accelerator, model, predict_ds, tokenizer, names, out / "predictions.jsonl")
-    save_final(accelerator, model, tokenizer, out)
+    best = longrun.describe_best(out)
+    if cfg.load_best_model_at_end and best is not None:
+        if accelerator.is_main_process:
+            checkpoint.copy_weights(out / "best", out / "final")
+        accelerator.wait_for_everyone()
+        result = best
+    else:
+        checkpoint.save_weights(accelerator, model, tokenizer, out / "final")
     accelerator.end_training()
-    scores = " ".join(f"{k} {v:.4f}" for k, v in result.items() if k not in ("step", "epoch", "n_examples"))
+    scores = " ".join(f"{k} {v:.4f}" for k, v in result.items() if k in longrun.EVAL_METRICS[cfg.problem_type])
     accelerator.print(f"eval {scores} on {result['n_examples']} examples after {result['step']} steps; "
                       f"model in {out / 'final'}")
     return result
@@ -298,9 +333,11 @@ def main(cfg: Config) -> dict:
 if __name__ == "__main__":
     try:
         main(parse_config())
+    except longrun.Preempted:  # a checkpoint of the step every rank stopped at, and checkpoints/PREEMPTED
+        strategy.exit_process(longrun.PREEMPTED_EXIT)
     except RecipeError as err:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank fails alike: one line per machine
-            print(f"error: {err}", file=sys.stderr)
+            tqdm.write(f"error: {err}", file=sys.stderr)  # on a line of its own, below a progress bar left open
         else:  # the launcher stops every rank once one has ended: local rank 0 prints first
             time.sleep(2)
         strategy.exit_process(2)

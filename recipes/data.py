@@ -336,8 +336,10 @@ class EvenShardBatchSampler(torch.utils.data.Sampler):
     With `lengths` and a `group_size` (--group_by_length: the global batch of an optimizer step), each epoch's order
     is `length_grouped_order`'s: the samples of a step, hence of a micro-batch, have similar lengths.
 
-    A resumed run starts its first epoch at a sample position (`resume_at`), not at a micro-batch count: the rest of
-    that epoch's order is dealt in this run's rounds, so a checkpoint continues on another world size or batch.
+    A resumed run normally iterates its first epoch whole, in the order the checkpoint's run had (`keep_order`), and
+    the loop skips the consumed micro-batches with `accelerator.skip_first_batches`. Only when the global batch
+    changed (--force_resume) does the epoch start at a sample position (`resume_at`): the rest of that epoch's order
+    is then dealt in this run's rounds.
     """
 
     def __init__(self, n: int, batch_size: int, world_size: int, seed: int, shuffle: bool = True,
@@ -362,6 +364,14 @@ class EvenShardBatchSampler(torch.utils.data.Sampler):
         if group_size and self.lengths is None:
             raise RecipeError("the checkpoint was written with --group_by_length: its epoch order needs the lengths")
         self.resume_epoch, self.resume_samples, self.resume_group_size = epoch, samples, group_size
+        self.set_epoch(self.epoch)
+
+    def keep_order(self, epoch: int, group_size: int) -> None:
+        """Epoch `epoch` is ordered as the run that wrote the checkpoint ordered it (its length grouping
+        `group_size`), whole: the consumed micro-batches are skipped by the loader (`accelerator.skip_first_batches`)."""
+        if group_size and self.lengths is None:
+            raise RecipeError("the checkpoint was written with --group_by_length: its epoch order needs the lengths")
+        self.resume_epoch, self.resume_samples, self.resume_group_size = epoch, 0, group_size
         self.set_epoch(self.epoch)
 
     def set_epoch(self, epoch: int) -> None:
@@ -436,8 +446,10 @@ class StepPlan:
 
     @classmethod
     def of(cls, sampler: EvenShardBatchSampler, accum: int, epochs: int, max_steps: Optional[int],
-           done_steps: int = 0) -> "StepPlan":
-        """`done_steps`: the resume point's step; the sampler knows its epoch and sample position.
+           done_steps: int = 0, skipped_steps: int = 0) -> "StepPlan":
+        """`done_steps`: the resume point's step; the sampler knows its epoch (and, after --force_resume with another
+        global batch, its sample position). `skipped_steps`: the optimizer steps of the resumed epoch that the loop
+        skips with `accelerator.skip_first_batches` (the global batch unchanged).
 
         With the global batch unchanged, the windows left in the resumed epoch are the tail of a full epoch's and
         the total is the uninterrupted run's; after --force_resume with another batch they are counted anew.
@@ -445,7 +457,7 @@ class StepPlan:
         full = window_samples(sampler.full_sizes, accum)
         first = sampler.resume_epoch or 0
         rest = window_samples(sampler.rest_sizes(), accum) if sampler.resume_samples else None
-        end_of_first = done_steps + (len(rest) if rest else len(full))
+        end_of_first = done_steps + (len(rest) if rest else len(full) - skipped_steps)
         total = max_steps or end_of_first + (epochs - first - 1) * len(full)
         n_epochs = first + 1 + max(0, math.ceil((total - end_of_first) / len(full)))
         if done_steps >= total:  # resumed from the last step: nothing left to train
@@ -466,6 +478,12 @@ class Loaders:
     eval: torch.utils.data.DataLoader
     sampler: EvenShardBatchSampler
     plan: StepPlan
+    skip_epoch: Optional[int] = None  # the resumed epoch whose first micro-batches the loop skips ...
+    skip_batches: int = 0  # ... and how many, per rank (accelerator.skip_first_batches)
+
+    def consumed_batches(self, epoch: int) -> int:
+        """Micro-batches per rank of `epoch` that the checkpoint had already trained on (0 but in the resumed epoch)."""
+        return self.skip_batches if epoch == self.skip_epoch else 0
 
 
 def build_loaders(cfg, train_ds, eval_ds, tokenizer, world_size: int, resume=None, device_type: str = "cpu") -> Loaders:
@@ -485,7 +503,16 @@ def build_loaders(cfg, train_ds, eval_ds, tokenizer, world_size: int, resume=Non
     lengths = token_lengths(train_ds) if group or (resumed and resume.length_group) else None
     sampler = EvenShardBatchSampler(len(train_ds), cfg.per_device_train_batch_size, world_size, cfg.seed,
                                     lengths=lengths, group_size=group)
-    if resumed:
+    skip_epoch, skip = None, 0
+    round_samples = cfg.per_device_train_batch_size * world_size
+    if resumed and resume.global_batch == step_samples and resume.samples_in_epoch % round_samples == 0:
+        # The same global batch (on any world size): the checkpoint consumed whole optimizer steps of this run's
+        # layout, that is whole rounds, which `accelerator.skip_first_batches` skips in the loop.
+        sampler.keep_order(resume.epoch, resume.length_group if resume.samples_in_epoch else group)
+        skip_epoch, skip = resume.epoch, resume.samples_in_epoch // round_samples
+    elif resumed:
+        # --force_resume with another global batch: the consumed samples are not whole steps of this run, a count
+        # `skip_first_batches` cannot express; the sampler starts the epoch at the checkpoint's sample position.
         sampler.resume_at(resume.epoch, resume.samples_in_epoch, resume.length_group)
     # Own generators: otherwise each new iterator draws its seed from the global RNG and shifts the dropout stream,
     # so a resumed run (which creates its first iterator later) would no longer match the uninterrupted one.
@@ -495,5 +522,17 @@ def build_loaders(cfg, train_ds, eval_ds, tokenizer, world_size: int, resume=Non
                                           sampler=longest_first(eval_ds, cfg),
                                           generator=torch.Generator().manual_seed(cfg.seed), **workers)
     plan = StepPlan.of(sampler, cfg.gradient_accumulation_steps, cfg.num_train_epochs, cfg.max_train_steps,
-                       resume.step if resume is not None else 0)
-    return Loaders(train_dl, eval_dl, sampler, plan)
+                       resume.step if resume is not None else 0, skip // cfg.gradient_accumulation_steps)
+    return Loaders(train_dl, eval_dl, sampler, plan, skip_epoch, skip)
+
+
+def keep_loader_options(skipping, loader):
+    """The loader `accelerator.skip_first_batches` returns, with the options it drops set back.
+
+    Accelerate 1.15.0 (`data_loader.skip_first_batches`) builds the new DataLoaderShard from torch's DataLoader
+    arguments only: Accelerate's own `_non_blocking` (dataloader_config non_blocking, on for GPUs here) falls back to
+    False, so the resumed epoch's host-to-device copies would block.
+    """
+    if hasattr(loader, "_non_blocking"):
+        skipping._non_blocking = loader._non_blocking
+    return skipping

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from recipes import RecipeError
+from recipes import RecipeError, longrun
 from recipes.problem import PROBLEM_TYPES
 
 TRUNCATIONS = ("longest_first", "only_first", "only_second")
@@ -50,6 +50,18 @@ def flag_problems(cfg) -> list[str]:
     if cfg.group_by_length and cfg.pad_to_max_length:
         problems.append("--group_by_length saves nothing with --pad_to_max_length (every batch is --max_length long): "
                         "drop one")
+    for name in ("save_total_limit", "early_stopping_patience"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
+            problems.append(f"--{name} {getattr(cfg, name)} must be >= 1")
+    if cfg.load_best_model_at_end and (cfg.do_predict or cfg.predict_file):
+        problems.append("--load_best_model_at_end with predictions: they would come from the last step's weights, "
+                        "not the best; predict in a second run from <output_dir>/final")
+    resume = cfg.resume_from_checkpoint
+    if resume and resume not in ("latest", "auto") and not Path(resume).is_dir():
+        problems.append(f"--resume_from_checkpoint {resume}: not a folder, 'latest' or 'auto'")
+    if cfg.metric_for_best_model is not None:  # checked again once the data tell an inferred problem type
+        known_type = cfg.problem_type if cfg.problem_type in PROBLEM_TYPES else None
+        problems += filter(None, [longrun.metric_problem(cfg.metric_for_best_model, known_type)])
     if cfg.predict_file and not Path(cfg.predict_file).is_file():
         problems.append(f"predict file not found: {cfg.predict_file}")
     return problems

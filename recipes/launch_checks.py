@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -267,8 +268,37 @@ def check_launch_env(env: dict, recipe: dict, model=None) -> list[str]:
     return problems
 
 
+def restart_warnings(env: dict, recipe: dict) -> list[str]:
+    """What keeps an elastic agent's restart (`--max_restarts N`) from continuing this run; [] when nothing does.
+
+    torch 2.13.0's agent gives each worker TORCHELASTIC_MAX_RESTARTS and TORCHELASTIC_USE_AGENT_STORE. The latter is
+    "True" under the static rendezvous (always) and under c10d unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the
+    workers then build their process group in the agent's store, which outlives an attempt, and the restarted
+    workers find the dead workers' keys there (gloo: `connectFullMesh ... Connection refused`, or a wait in
+    init_process_group; NCCL exchanges its unique id through the same store). Warnings, not errors: a run that is
+    never restarted trains correctly.
+    """
+    if int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) < 1:
+        return []
+    warnings = []
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        warnings.append("--max_restarts with the agent's store shared with the workers: a restarted worker group "
+                        "cannot connect; launch with --rdzv_backend c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+    if recipe.get("resume_from_checkpoint") != "auto":
+        warnings.append("--max_restarts without --resume_from_checkpoint auto: a restarted worker does not continue "
+                        "from the newest checkpoint")
+    if not recipe.get("checkpointing_steps"):
+        warnings.append("--max_restarts without --checkpointing_steps: a restart has no checkpoint to continue from")
+    return warnings
+
+
 def check_launch(cfg, model) -> None:
-    """The checks of this launch (environment made by `accelerate launch`, flags, built model) or a RecipeError."""
-    problems = check_launch_env(dict(os.environ), asdict(cfg), model)
+    """The checks of this launch (environment made by `accelerate launch`, flags, built model) or a RecipeError;
+    the restart warnings printed once, by rank 0 of the first attempt."""
+    env = dict(os.environ)
+    problems = check_launch_env(env, asdict(cfg), model)
     if problems:
         raise RecipeError("launch config: " + "; ".join(problems))
+    if env.get("RANK", "0") == "0" and env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        for warning in restart_warnings(env, asdict(cfg)):
+            print(f"warning: {warning}", file=sys.stderr)

@@ -1,15 +1,20 @@
 """For testing only: what the tests observe inside a run, and the faults they inject. Off by default.
 
 One `Probe` per process. It does nothing unless `--record_ranks` (per-rank records) or the environment variable
-`CLS_FAULT=<where>:<step>:<rank>` (SIGKILL that rank after optimizer step N, or while saving checkpoint N) asks for
-it. The training loop calls it at three points: `batch` (each micro-batch), `step` (each optimizer step) and
-`finish` (after training); `save_checkpoint` calls `saved`. Inert, each call returns at once and the batches carry no
-sample ids. One more point is for the benchmark only: an in-process harness may set `Probe.step_hook` to a
+`CLS_FAULT=<kind>:<step>:<rank>` asks for it. Faults (FAULTS), on the first attempt of an elastic launch only (a
+restarted worker, TORCHELASTIC_RESTART_COUNT > 0, runs clean): SIGKILL that rank after optimizer step N (`step`) or
+while saving checkpoint N (`save`); make its save of checkpoint N fail (`savefail`, an OSError); send it SIGTERM
+after step N (`sigterm`); make its logits NaN in the forward passes of step N (`nan`); after step N, write
+<output_dir>/probe_waiting and wait there until a stop signal arrives, 60 s at most (`wait`: a test then signals the
+launcher at a known step). The training loop calls it at four points: `epoch` (the loader of each epoch), `batch`
+(each micro-batch), `step` (each optimizer step) and `finish` (after training); `save_checkpoint` calls `saved`.
+Inert, each call returns at once and the batches carry no sample ids. One more point is for the benchmark only: an in-process harness may set `Probe.step_hook` to a
 callable that `step` calls with the step number (scripts/bench_baselines.py `alternate` takes turns there with other
 training loops in the same process); it is None in every launch.
 
 With --record_ranks each rank writes ranks/rank<i>.json: the ids of the training examples it saw, micro-batch by
-micro-batch; a float64 sum of each parameter as the rank holds it; the dtypes the first Linear computed in and the
+micro-batch; per epoch, the micro-batches its loader skipped through `accelerator.skip_first_batches` (a resumed
+epoch) and the loader's batch sampler; a float64 sum of each parameter as the rank holds it; the dtypes the first Linear computed in and the
 optimizer's master weights and state are kept in; the optimizer that really steps (under Accelerate's and
 DeepSpeed's wrappers, which may replace the one the recipe built) and its update rule; the dtypes FSDP2 accumulates
 gradients in between the micro-batches of a step; the memory the rank holds (recipes/memstats.py); and, with
@@ -21,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -29,6 +35,7 @@ from recipes import commstats, memstats
 from recipes.data import SAMPLE_IDS
 
 FAULT_VARIABLE = "CLS_FAULT"
+FAULTS = ("step", "save", "savefail", "sigterm", "nan", "wait")
 # With --record_ranks, CLS_COMM=1 also counts the bytes of the collectives of steps COMM_STEPS (`make bench` sets it;
 # tests/test_comm.py too). Off otherwise: the other tests' recorded runs train with no dispatch mode in the step.
 COMM_VARIABLE = "CLS_COMM"
@@ -41,8 +48,14 @@ COMM_STEPS = range(3, 7)
 class Probe:
     step_hook = None  # set by an in-process harness only (see the module docstring)
 
-    def __init__(self, record: bool, rank: int, fault: str | None = None, count_comm: bool = False):
-        self.record, self.rank, self.fault = record, rank, fault
+    def __init__(self, record: bool, rank: int, fault: str | None = None, count_comm: bool = False,
+                 out: Path | None = None):
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            fault = None  # a restarted worker: the fault happened in the first attempt
+        if fault is not None and (fault.split(":")[0] not in FAULTS or fault.count(":") != 2):
+            raise ValueError(f"{FAULT_VARIABLE}={fault}: expected <kind>:<step>:<rank>, kind one of {FAULTS}")
+        self.record, self.rank, self.fault, self.out = record, rank, fault, out
+        self.epochs: list[dict] = []
         self.count_comm = record and count_comm
         self.sample_ids: list[list[int]] = []
         self.forward_dtypes: dict = {}
@@ -56,7 +69,7 @@ class Probe:
     @classmethod
     def for_run(cls, cfg, rank: int) -> "Probe":
         return cls(record=cfg.record_ranks, rank=rank, fault=os.environ.get(FAULT_VARIABLE) or None,
-                   count_comm=os.environ.get(COMM_VARIABLE) == "1")
+                   count_comm=os.environ.get(COMM_VARIABLE) == "1", out=Path(cfg.output_dir))
 
     @property
     def wants_sample_ids(self) -> bool:
@@ -68,6 +81,8 @@ class Probe:
         Under FSDP2 the weight seen in forward is the gathered (bf16) copy, under DeepSpeed the engine's bf16 module,
         under autocast the fp32 parameter with a bf16 output: together they show what precision really ran.
         """
+        if self.fault is not None and self.fault.startswith("nan:"):
+            model.register_forward_hook(self._poison)
         if not self.record:
             return
         self.model = model
@@ -82,6 +97,18 @@ class Probe:
         handle = linear.register_forward_hook(hook)
         if self.count_comm:  # on the Linear, not the wrapper: DeepSpeedEngine.eval (0.19.8) sets its module's mode only
             linear.register_forward_pre_hook(self._mark_eval)
+
+    def _poison(self, module, inputs, output):
+        if module.training and self.fault == f"nan:{self.last_step + 1}:{self.rank}":
+            output.logits.data.fill_(float("nan"))
+        return output
+
+    def epoch(self, epoch: int, loader) -> None:
+        """The loader the loop iterates in `epoch`: in a resumed epoch, the one `accelerator.skip_first_batches` made."""
+        if self.record:
+            sampler = loader.batch_sampler
+            self.epochs.append({"epoch": epoch, "batch_sampler": type(sampler).__name__,
+                                "skipped_batches": getattr(sampler, "skip_batches", 0)})
 
     def _mark_eval(self, module, inputs) -> None:
         if self.counter is not None and not module.training:
@@ -103,6 +130,10 @@ class Probe:
         self.last_step = step
         self._stop_counting(step)
         self._maybe_die("step", step)
+        if self.fault == f"sigterm:{step}:{self.rank}":
+            os.kill(os.getpid(), signal.SIGTERM)
+        if self.fault == f"wait:{step}:{self.rank}":
+            self._wait_for_signal()
         if Probe.step_hook is not None:
             Probe.step_hook(step)
 
@@ -126,6 +157,16 @@ class Probe:
     def saved(self, step: int) -> None:
         """Called by save_checkpoint after this rank wrote its part of checkpoint `step`, before it is committed."""
         self._maybe_die("save", step)
+        if self.fault == f"savefail:{step}:{self.rank}":
+            raise OSError(28, "No space left on device (injected by CLS_FAULT)")
+
+    def _wait_for_signal(self) -> None:
+        from recipes import longrun
+
+        (self.out / "probe_waiting").write_text(f"{self.last_step}\n")
+        deadline = time.monotonic() + 60
+        while longrun.requested_signal is None and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _maybe_die(self, where: str, step: int) -> None:
         if self.fault is not None and self.fault == f"{where}:{step}:{self.rank}":
@@ -141,7 +182,7 @@ class Probe:
         sums = {name: float(p.detach().double().sum()) for name, p in model.named_parameters()}
         folder = out / "ranks"
         folder.mkdir(parents=True, exist_ok=True)
-        record = {"rank": self.rank, "sample_ids": self.sample_ids, "param_sums": sums,
+        record = {"rank": self.rank, "sample_ids": self.sample_ids, "epochs": self.epochs, "param_sums": sums,
                   "dtypes": {**self.forward_dtypes, **optimizer_dtypes(optimizer)},
                   "optimizer": optimizer_record(optimizer),
                   "accumulated_grad_dtypes": sorted(self.accumulated_grad_dtypes),

@@ -75,22 +75,30 @@ class StepLog:
     GPUs the host does not wait for) and keeps the result on the device. Only `flush`, every `every` steps and before
     an evaluation, a checkpoint or the end, copies the kept steps to the host in one `.tolist()`: the loop itself
     never makes the CPU wait for the GPU.
+
+    Two more entries ride on each step's reduction for the ranks' common decisions (recipes/longrun.py): the
+    number of ranks whose gradient norm was not finite, and the number that voted to stop (a preemption signal).
+    `on_flush` gets them with each record, at the same flush on every rank.
     """
 
-    def __init__(self, accelerator, path: Path, every: int, progress):
+    def __init__(self, accelerator, path: Path, every: int, progress, on_flush=None):
         self.accelerator, self.path, self.every, self.progress = accelerator, path, max(1, every), progress
         self.window = torch.zeros(3, device=accelerator.device)  # this rank's loss sum, non-pad and padded tokens
         self.pending: list[tuple[dict, torch.Tensor]] = []
+        self.on_flush = on_flush
 
     def add(self, loss_sum: torch.Tensor, attention_mask: torch.Tensor) -> None:
         padded = torch.full((), attention_mask.numel(), dtype=torch.float32, device=self.window.device)  # no copy
         self.window += torch.stack([loss_sum.detach().float(), attention_mask.sum().float(), padded])
 
-    def end_step(self, info: dict, grad_norm: torch.Tensor) -> None:
-        """`info` holds step, epoch, lr, samples (of the step on all ranks) and elapsed seconds."""
-        totals = self.accelerator.reduce(self.window, reduction="sum")  # a new tensor: accelerate 1.15.0 reduces a clone
+    def end_step(self, info: dict, grad_norm: torch.Tensor, stop_vote: float = 0.0) -> None:
+        """`info` holds step, epoch, lr, samples (of the step on all ranks) and elapsed seconds; `stop_vote` 1.0 when
+        this rank asks every rank to stop (the fill of a device tensor from a number: no sync)."""
+        grad_norm = grad_norm.reshape(1).to(self.window)
+        votes = torch.cat([self.window, (~torch.isfinite(grad_norm)).float(), torch.full_like(grad_norm, stop_vote)])
+        totals = self.accelerator.reduce(votes, reduction="sum")  # one collective, kept on the device
         self.window.zero_()
-        self.pending.append((info, torch.cat([totals, grad_norm.reshape(1).to(totals)])))
+        self.pending.append((info, torch.cat([totals, grad_norm])))
         if len(self.pending) >= self.every:
             self.flush()
 
@@ -98,15 +106,18 @@ class StepLog:
         if not self.pending:
             return
         values = torch.stack([v for _, v in self.pending]).tolist()
-        kept = []
-        for (info, _), (loss_total, tokens, padded, grad_norm) in zip(self.pending, values):
+        kept, block = [], []
+        for (info, _), (loss_total, tokens, padded, bad_grads, votes, grad_norm) in zip(self.pending, values):
             record = {**info, "loss": loss_total / info["samples"], "tokens": int(tokens), "padded_tokens": int(padded),
                       "grad_norm": grad_norm}
             self.accelerator.log({"train/loss": record["loss"], "train/lr": info["lr"],
                                   "train/grad_norm": grad_norm}, step=info["step"])
             kept.append(record)
+            block.append((record, int(bad_grads), int(votes)))
         if self.accelerator.is_main_process:
             append_jsonl(self.path, *kept)  # one write per flush
         # Shown at the bar's next update: refreshing here would redraw it a second time at every flush.
         self.progress.set_postfix(loss=f"{record['loss']:.4f}", epoch=record["epoch"], refresh=False)
         self.pending.clear()
+        if self.on_flush is not None:
+            self.on_flush(block)

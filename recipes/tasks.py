@@ -22,14 +22,16 @@ class Task:
     validation_split: str = "validation"
     test_split: str = "test"  # labels are -1 there: predicted with --do_predict, never scored
     label: str = "label"
+    metric: Optional[str] = None  # the task's main metric, the default --metric_for_best_model (None: by problem type)
 
 
 GLUE, CLUE = "nyu-mll/glue", "clue/clue"
 TASKS = {
     "cola": Task(GLUE, "cola", "sentence"),
     "sst2": Task(GLUE, "sst2", "sentence"),
-    "mrpc": Task(GLUE, "mrpc", "sentence1", "sentence2"),
-    "qqp": Task(GLUE, "qqp", "question1", "question2"),
+    # GLUE scores MRPC and QQP by F1 beside accuracy, their classes being unbalanced (our f1 is the macro F1).
+    "mrpc": Task(GLUE, "mrpc", "sentence1", "sentence2", metric="f1"),
+    "qqp": Task(GLUE, "qqp", "question1", "question2", metric="f1"),
     "stsb": Task(GLUE, "stsb", "sentence1", "sentence2", "regression"),  # similarity score 0..5
     "mnli": Task(GLUE, "mnli", "premise", "hypothesis", validation_split="validation_matched",
                  test_split="test_matched"),

@@ -95,6 +95,9 @@ def assert_same_training(ref, ref_procs: int, resumed, procs: int, label: str) -
     assert delta <= ATOL and param_delta <= WEIGHT_ATOL
     # Steps 7 and 8 (epoch 1 after sample 32) cover the same samples: the last 2 steps of the reference.
     assert step_samples(resumed, 2 // procs) == step_samples(ref, 2 // ref_procs)[-(STEPS - RESUME_STEP):]
+    # The consumed samples of epoch 1 are skipped by `accelerator.skip_first_batches`, in this layout's micro-batches.
+    assert rank_records(resumed)[0]["epochs"][0] == {"epoch": 1, "batch_sampler": "SkipBatchSampler",
+                                                     "skipped_batches": SAMPLES_AT_RESUME // (8 * procs)}
     assert read_jsonl(resumed / "eval.jsonl")[-1]["accuracy"] == read_jsonl(ref / "eval.jsonl")[-1]["accuracy"]
     return delta
 
@@ -146,6 +149,7 @@ def test_other_global_batch_refused_then_forced(reference, no_dropout, tmp_path)
     assert [s["step"] for s in steps] == list(range(1, RESUME_STEP + 5))
     assert [s["samples"] for s in steps[RESUME_STEP:]] == [8, 8, 8, 8]
     forced = [i for m in rank_records(out)[0]["sample_ids"] for i in m]
+    assert rank_records(out)[0]["epochs"][0]["skipped_batches"] == 0  # another global batch: a sample position
     assert forced == torch.randperm(64, generator=torch.Generator().manual_seed(42 + 1)).tolist()[SAMPLES_AT_RESUME:]
 
 

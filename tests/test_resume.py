@@ -47,7 +47,17 @@ def assert_continues(ref_dir, resumed_dir, from_step: int, config: str):
     skip = consumed(ref_dir, from_step)
     for r_ref, r_got in zip(rank_records(ref_dir), rank_records(resumed_dir)):
         assert r_got["sample_ids"] == r_ref["sample_ids"][skip:], "resumed run skipped or repeated samples"
+        assert_skipped_with_accelerate(r_got["epochs"][0], skip % MICRO_PER_EPOCH)
     assert read_jsonl(resumed_dir / "eval.jsonl")[-1] == read_jsonl(ref_dir / "eval.jsonl")[-1]
+
+
+def assert_skipped_with_accelerate(first_epoch: dict, micro_batches: int):
+    """A mid-epoch resume skips the consumed micro-batches through `accelerator.skip_first_batches` (its loader's
+    SkipBatchSampler, with that count); at an epoch boundary nothing is skipped."""
+    if micro_batches:
+        assert first_epoch["batch_sampler"] == "SkipBatchSampler" and first_epoch["skipped_batches"] == micro_batches
+    else:
+        assert first_epoch["skipped_batches"] == 0
 
 
 CASES = [("ddp.yaml", 1), ("ddp.yaml", 3), ("zero2.yaml", 3), ("fsdp.yaml", 3)]
