@@ -255,6 +255,21 @@ def copy_weights(src: Path, folder: Path) -> None:
     tmp.rename(folder)
 
 
+def prepare_output_dir(out: Path, start: ResumePoint) -> None:
+    """Rank 0, before training: a resumed run keeps the records up to its checkpoint and takes over from a
+    preemption's marker; a fresh run drops the records and best/ of any earlier run in the folder."""
+    from recipes.longrun import PREEMPTED_MARKER
+
+    out.mkdir(parents=True, exist_ok=True)
+    if start.path:
+        truncate_records(out, start.step)
+        (out / "checkpoints" / PREEMPTED_MARKER).unlink(missing_ok=True)
+    else:
+        for name in ("metrics.jsonl", "eval.jsonl"):
+            (out / name).unlink(missing_ok=True)
+        shutil.rmtree(out / "best", ignore_errors=True)
+
+
 def truncate_records(out: Path, step: int) -> None:
     """Drop metrics/eval lines written after the checkpoint by the interrupted run."""
     for name in ("metrics.jsonl", "eval.jsonl"):

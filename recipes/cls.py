@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -177,10 +176,9 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
         return result
 
     def save(epoch: int, end_of_epoch: bool, micro: int, eval_pending: bool = False) -> str:
-        position = {"epoch": epoch + 1, "samples_in_epoch": 0} if end_of_epoch else \
-            {"epoch": epoch, "samples_in_epoch": loaders.sampler.samples_done(micro + 1)}
         path = checkpoint.save_checkpoint(accelerator, out, {
-            "step": step, **position, "world_size": world, "gradient_accumulation_steps": accum,
+            "step": step, **loaders.position(epoch, micro, end_of_epoch), "world_size": world,
+            "gradient_accumulation_steps": accum,
             "per_device_train_batch_size": cfg.per_device_train_batch_size, "seed": cfg.seed,
             "length_group": loaders.sampler.group_size, "skipped_steps": skipped, "long_run": run.state(),
             "eval_pending": eval_pending}, probe, cfg.save_total_limit)
@@ -288,14 +286,7 @@ def main(cfg: Config) -> dict:
     loaders.eval = accelerator.prepare(loaders.eval)
 
     if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        if start.path:
-            checkpoint.truncate_records(out, start.step)
-            (out / "checkpoints" / longrun.PREEMPTED_MARKER).unlink(missing_ok=True)  # this run goes on from it
-        else:
-            for name in ("metrics.jsonl", "eval.jsonl"):
-                (out / name).unlink(missing_ok=True)
-            shutil.rmtree(out / "best", ignore_errors=True)  # another run's best model
+        checkpoint.prepare_output_dir(out, start)
         resolved = {**records.describe_run(cfg, accelerator, total_steps, len(train_ds), len(eval_ds)),
                     "long_run": run.describe()}
         (out / "run_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
@@ -315,14 +306,7 @@ def main(cfg: Config) -> dict:
     result = train(cfg, accelerator, model, optimizer, scheduler, loaders, metrics, start, probe, run, tokenizer)
     if predict_ds is not None:
         predict.write_predictions(cfg, accelerator, model, predict_ds, tokenizer, names, out / "predictions.jsonl")
-    best = longrun.describe_best(out)
-    if cfg.load_best_model_at_end and best is not None:
-        if accelerator.is_main_process:
-            checkpoint.copy_weights(out / "best", out / "final")
-        accelerator.wait_for_everyone()
-        result = best
-    else:
-        checkpoint.save_weights(accelerator, model, tokenizer, out / "final")
+    result = longrun.save_final(accelerator, model, tokenizer, out, result, cfg.load_best_model_at_end)
     accelerator.end_training()
     scores = " ".join(f"{k} {v:.4f}" for k, v in result.items() if k in longrun.EVAL_METRICS[cfg.problem_type])
     accelerator.print(f"eval {scores} on {result['n_examples']} examples after {result['step']} steps; "

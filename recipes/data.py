@@ -481,6 +481,12 @@ class Loaders:
     skip_epoch: Optional[int] = None  # the resumed epoch whose first micro-batches the loop skips ...
     skip_batches: int = 0  # ... and how many, per rank (accelerator.skip_first_batches)
 
+    def position(self, epoch: int, micro: int, end_of_epoch: bool) -> dict:
+        """Where a checkpoint after micro-batch `micro` of `epoch` stands in the data (trainer_state.json)."""
+        if end_of_epoch:
+            return {"epoch": epoch + 1, "samples_in_epoch": 0}
+        return {"epoch": epoch, "samples_in_epoch": self.sampler.samples_done(micro + 1)}
+
     def consumed_batches(self, epoch: int) -> int:
         """Micro-batches per rank of `epoch` that the checkpoint had already trained on (0 but in the resumed epoch)."""
         return self.skip_batches if epoch == self.skip_epoch else 0

@@ -87,7 +87,7 @@ class LongRun:
         self.bad_evals = saved.get("evals_without_improvement", 0)
         self.skipped_before = start.skipped_steps  # fp16 overflow steps counted up to the previous block
         self.last_checkpoint = str(start.path) if start.path else None
-        self.preempted = False
+        self.preempted = 0  # how many ranks voted to stop, at the flush that saw the first vote; 0: none
         self.out = out
 
     # --- the per-step votes and the decisions taken at a flush ---------------------------------------------------
@@ -105,8 +105,8 @@ class LongRun:
                 what = f"loss {record['loss']}" if not math.isfinite(record["loss"]) else "gradient norm"
                 raise RecipeError(f"non-finite {what} at step {record['step']}: the run stopped before any later "
                                   f"checkpoint; last good checkpoint: {self.last_checkpoint or 'none'}")
-            if votes:
-                self.preempted = True
+            if votes and not self.preempted:
+                self.preempted = votes
 
     def saved(self, path: Path) -> None:
         self.last_checkpoint = str(path)
@@ -145,7 +145,7 @@ class LongRun:
     def leave_preempted(self, accelerator, checkpoint_name: str) -> None:
         if accelerator.is_main_process:
             (self.out / "checkpoints" / PREEMPTED_MARKER).write_text(checkpoint_name + "\n")
-        accelerator.print(f"preempted (signal {signal.Signals(requested_signal or signal.SIGTERM).name}): "
+        accelerator.print(f"preempted (a stop signal on {self.preempted} of {accelerator.num_processes} ranks): "
                           f"checkpoint {checkpoint_name} written; run the same command with "
                           f"--resume_from_checkpoint auto to go on")
         raise Preempted(checkpoint_name)
@@ -172,3 +172,18 @@ def describe_best(out: Path) -> Optional[dict]:
     """best/best_model.json: the step and metric of the weights in best/; None when there are none."""
     path = out / "best" / "best_model.json"
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def save_final(accelerator, model, tokenizer, out: Path, last_eval: dict, load_best: bool) -> dict:
+    """Write final/: the trained weights, or with --load_best_model_at_end a copy of best/ (when an evaluation made
+    one). Returns the evaluation of the weights in final/. Every rank calls it."""
+    from recipes import checkpoint
+
+    best = describe_best(out) if load_best else None
+    if best is None:
+        checkpoint.save_weights(accelerator, model, tokenizer, out / "final")
+        return last_eval
+    if accelerator.is_main_process:
+        checkpoint.copy_weights(out / "best", out / "final")
+    accelerator.wait_for_everyone()
+    return best

@@ -3,8 +3,8 @@
 One `Probe` per process. It does nothing unless `--record_ranks` (per-rank records) or the environment variable
 `CLS_FAULT=<kind>:<step>:<rank>` asks for it. Faults (FAULTS), on the first attempt of an elastic launch only (a
 restarted worker, TORCHELASTIC_RESTART_COUNT > 0, runs clean): SIGKILL that rank after optimizer step N (`step`) or
-while saving checkpoint N (`save`); make its save of checkpoint N fail (`savefail`, an OSError); send it SIGTERM
-after step N (`sigterm`); make its logits NaN in the forward passes of step N (`nan`); after step N, write
+while saving checkpoint N (`save`); make its save of checkpoint N fail (`savefail`, an OSError); send it SIGTERM or
+SIGUSR1 after step N, or with N = 0 at start-up, before the data are prepared (`sigterm`, `sigusr1`); make its logits NaN in the forward passes of step N (`nan`); after step N, write
 <output_dir>/probe_waiting and wait there until a stop signal arrives, 60 s at most (`wait`: a test then signals the
 launcher at a known step). The training loop calls it at four points: `epoch` (the loader of each epoch), `batch`
 (each micro-batch), `step` (each optimizer step) and `finish` (after training); `save_checkpoint` calls `saved`.
@@ -35,7 +35,8 @@ from recipes import commstats, memstats
 from recipes.data import SAMPLE_IDS
 
 FAULT_VARIABLE = "CLS_FAULT"
-FAULTS = ("step", "save", "savefail", "sigterm", "nan", "wait")
+FAULTS = ("step", "save", "savefail", "sigterm", "sigusr1", "nan", "wait")
+SIGNAL_FAULTS = {"sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1}
 # With --record_ranks, CLS_COMM=1 also counts the bytes of the collectives of steps COMM_STEPS (`make bench` sets it;
 # tests/test_comm.py too). Off otherwise: the other tests' recorded runs train with no dispatch mode in the step.
 COMM_VARIABLE = "CLS_COMM"
@@ -65,6 +66,7 @@ class Probe:
         self.comm_steps: dict = {}
         self.model = None  # watched with --record_ranks: FSDP2's pending gradients are read off it
         self.accumulated_grad_dtypes: set = set()
+        self._maybe_signal(0)  # a signal at start-up (fault `sigterm:0:<rank>`, `sigusr1:0:<rank>`)
 
     @classmethod
     def for_run(cls, cfg, rank: int) -> "Probe":
@@ -130,8 +132,7 @@ class Probe:
         self.last_step = step
         self._stop_counting(step)
         self._maybe_die("step", step)
-        if self.fault == f"sigterm:{step}:{self.rank}":
-            os.kill(os.getpid(), signal.SIGTERM)
+        self._maybe_signal(step)
         if self.fault == f"wait:{step}:{self.rank}":
             self._wait_for_signal()
         if Probe.step_hook is not None:
@@ -159,6 +160,11 @@ class Probe:
         self._maybe_die("save", step)
         if self.fault == f"savefail:{step}:{self.rank}":
             raise OSError(28, "No space left on device (injected by CLS_FAULT)")
+
+    def _maybe_signal(self, step: int) -> None:
+        kind = self.fault.split(":")[0] if self.fault else None
+        if kind in SIGNAL_FAULTS and self.fault == f"{kind}:{step}:{self.rank}":
+            os.kill(os.getpid(), SIGNAL_FAULTS[kind])
 
     def _wait_for_signal(self) -> None:
         from recipes import longrun
