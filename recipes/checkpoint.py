@@ -4,13 +4,15 @@ A checkpoint is `checkpoints/step_N/` (Accelerate's `save_state`: model, optimiz
 states; DeepSpeed and FSDP shards from every rank) plus `trainer_state.json`: the step, the position in the data as
 samples consumed in the epoch, the batch layout (per-device batch, world size, accumulation) it was written with,
 and its length grouping (the resumed epoch keeps that order, whatever this run's --group_by_length). The file
-`checkpoints/latest` names the newest complete one. Resuming on another world size is in elastic.py; rotation,
-the preemption marker and the best model in longrun.py.
+`checkpoints/latest` names the newest complete one; --save_total_limit removes older ones once a new one is complete
+(rotate_checkpoints); a preempted run leaves `checkpoints/PREEMPTED` beside them. Resuming on another world size is
+in elastic.py; the decisions of a long run (preemption, best model, early stopping) in longrun.py.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,9 @@ from typing import Optional
 import torch
 
 from recipes import RecipeError, elastic
+
+PREEMPTED_MARKER = "PREEMPTED"  # checkpoints/PREEMPTED names the checkpoint a preempted run wrote; a resume removes it
+STEP_NAME = re.compile(r"step_(\d+)")
 
 
 @dataclass
@@ -92,10 +97,8 @@ def save_checkpoint(accelerator, out: Path, state: dict, probe, keep: Optional[i
     a crash at any point leaves `latest` naming the previous complete checkpoint. A save that fails on any rank (disk
     full, quota, an unwritable folder) stops every rank with one RecipeError, since the ranks compare their verdicts
     after each phase; `latest` then still names the previous checkpoint. Older checkpoints are removed only after
-    the new one is complete (longrun.rotate_checkpoints), unlike Accelerate's own `total_limit`, which removes first.
+    the new one is complete (rotate_checkpoints), unlike Accelerate's own `total_limit`, which removes first.
     """
-    from recipes.longrun import rotate_checkpoints
-
     root = out / "checkpoints"
     name = f"step_{state['step']}"
     tmp = root / f"{name}.tmp"
@@ -126,6 +129,23 @@ def save_checkpoint(accelerator, out: Path, state: dict, probe, keep: Optional[i
     if accelerator.is_main_process:
         rotate_checkpoints(root, keep)
     return root / name
+
+
+def rotate_checkpoints(root: Path, keep: Optional[int]) -> list[str]:
+    """Remove the oldest complete checkpoints beyond the newest `keep` (with their `.universal` conversions), never
+    the one `latest` names. Called by rank 0 after a new checkpoint is complete and `latest` names it, so a crash
+    at any point leaves at least the newest complete one. Half-written `step_N.tmp` folders are not touched."""
+    if not keep or not root.is_dir():
+        return []
+    pointer = root / "latest"
+    latest = pointer.read_text().strip() if pointer.is_file() else None
+    steps = sorted((int(m.group(1)), p.name) for p in root.iterdir()
+                   if p.is_dir() and (m := STEP_NAME.fullmatch(p.name)))
+    doomed = [name for _, name in steps[:-keep] if name != latest] if len(steps) > keep else []
+    for name in doomed:
+        shutil.rmtree(root / f"{name}.universal", ignore_errors=True)
+        shutil.rmtree(root / name)
+    return doomed
 
 
 def agree_saved(accelerator, name: str, error: Optional[BaseException], device=None) -> list:
@@ -258,8 +278,6 @@ def copy_weights(src: Path, folder: Path) -> None:
 def prepare_output_dir(out: Path, start: ResumePoint) -> None:
     """Rank 0, before training: a resumed run keeps the records up to its checkpoint and takes over from a
     preemption's marker; a fresh run drops the records and best/ of any earlier run in the folder."""
-    from recipes.longrun import PREEMPTED_MARKER
-
     out.mkdir(parents=True, exist_ok=True)
     if start.path:
         truncate_records(out, start.step)

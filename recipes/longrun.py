@@ -1,5 +1,5 @@
-"""Long runs: one command for the first start and every restart, preemption, checkpoint rotation, the best model,
-early stopping and the non-finite-loss guard. cls.py makes one `LongRun` and calls it at the loop's boundaries.
+"""Long runs: preemption, the best model, early stopping and the non-finite-loss guard (`--resume_from_checkpoint
+auto` and checkpoint rotation are in checkpoint.py). cls.py makes one `LongRun` and calls it at the loop's boundaries.
 
 How the ranks agree without a host read per step: each optimizer step already all-reduces a small tensor of the
 step's loss sums (records.StepLog); two more entries ride on it, this rank's preemption vote and whether its gradient
@@ -16,23 +16,19 @@ from __future__ import annotations
 
 import json
 import math
-import re
-import shutil
 import signal
 import threading
 from pathlib import Path
 from typing import Optional
 
-from recipes import RecipeError, tasks
+from recipes import RecipeError, checkpoint, tasks
 
 PREEMPTED_EXIT = 3  # exit status of a worker that stopped on a signal after writing its checkpoint: resume it
-PREEMPTED_MARKER = "PREEMPTED"  # checkpoints/PREEMPTED: the name of that checkpoint; removed when a run resumes
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # The metrics eval.jsonl reports per problem type (recipes/metrics, and the evaluation's mean loss); the first one
 # is the default --metric_for_best_model.
 EVAL_METRICS = {"single_label": ("accuracy", "f1", "loss"), "regression": ("pearson", "spearman", "loss"),
                 "multi_label": ("micro_f1", "macro_f1", "exact_match", "loss")}
-STEP_NAME = re.compile(r"step_(\d+)")
 
 requested_signal: Optional[int] = None  # the stop signal this process received (module-wide: see probe.py's wait)
 
@@ -144,28 +140,11 @@ class LongRun:
     # --- preemption ----------------------------------------------------------------------------------------------
     def leave_preempted(self, accelerator, checkpoint_name: str) -> None:
         if accelerator.is_main_process:
-            (self.out / "checkpoints" / PREEMPTED_MARKER).write_text(checkpoint_name + "\n")
+            (self.out / "checkpoints" / checkpoint.PREEMPTED_MARKER).write_text(checkpoint_name + "\n")
         accelerator.print(f"preempted (a stop signal on {self.preempted} of {accelerator.num_processes} ranks): "
                           f"checkpoint {checkpoint_name} written; run the same command with "
                           f"--resume_from_checkpoint auto to go on")
         raise Preempted(checkpoint_name)
-
-
-def rotate_checkpoints(root: Path, keep: Optional[int]) -> list[str]:
-    """Remove the oldest complete checkpoints beyond the newest `keep` (with their `.universal` conversions), never
-    the one `latest` names. Called by rank 0 after a new checkpoint is complete and `latest` names it, so a crash
-    at any point leaves at least the newest complete one. Half-written `step_N.tmp` folders are not touched."""
-    if not keep or not root.is_dir():
-        return []
-    pointer = root / "latest"
-    latest = pointer.read_text().strip() if pointer.is_file() else None
-    steps = sorted((int(m.group(1)), p.name) for p in root.iterdir()
-                   if p.is_dir() and (m := STEP_NAME.fullmatch(p.name)))
-    doomed = [name for _, name in steps[:-keep] if name != latest] if len(steps) > keep else []
-    for name in doomed:
-        shutil.rmtree(root / f"{name}.universal", ignore_errors=True)
-        shutil.rmtree(root / name)
-    return doomed
 
 
 def describe_best(out: Path) -> Optional[dict]:
@@ -177,8 +156,6 @@ def describe_best(out: Path) -> Optional[dict]:
 def save_final(accelerator, model, tokenizer, out: Path, last_eval: dict, load_best: bool) -> dict:
     """Write final/: the trained weights, or with --load_best_model_at_end a copy of best/ (when an evaluation made
     one). Returns the evaluation of the weights in final/. Every rank calls it."""
-    from recipes import checkpoint
-
     best = describe_best(out) if load_best else None
     if best is None:
         checkpoint.save_weights(accelerator, model, tokenizer, out / "final")

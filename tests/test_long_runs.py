@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -20,7 +21,7 @@ import pytest
 
 from helpers import (ACCELERATE, PYTHON, REPO, TINY_FLAGS, eval_loader, free_port, kill_group, losses, rank_records,
                      read_jsonl, run_recipe)
-from recipes import RecipeError, longrun
+from recipes import RecipeError, checkpoint, longrun
 from recipes.checkpoint import ResumePoint
 
 REF_FLAGS = ["--per_device_train_batch_size", "8", "--max_train_steps", "12", "--eval_steps", "3",
@@ -104,8 +105,6 @@ def test_reference_keeps_the_best_stops_early_and_rotates(reference, tmp_path):
     (rerun / "checkpoints").mkdir(parents=True)
     for name in ("metrics.jsonl", "eval.jsonl"):
         (rerun / name).write_bytes((reference / name).read_bytes())
-    import shutil
-
     shutil.copytree(reference / "checkpoints" / f"step_{STOP_STEP}", rerun / "checkpoints" / f"step_{STOP_STEP}")
     shutil.copytree(best, rerun / "best")
     (rerun / "checkpoints" / "latest").write_text(f"step_{STOP_STEP}\n")
@@ -136,12 +135,12 @@ def test_preempted_worker_stops_every_rank_at_a_checkpoint_then_resumes(referenc
     proc = run_recipe(out, *REF_FLAGS, check=False, env={"CLS_FAULT": "sigterm:5:1"})
     assert proc.returncode != 0 and "preempted (a stop signal on 1 of 2 ranks): checkpoint step_6 written" in proc.stdout
     assert "exitcode  : 3" in proc.stderr
-    assert (out / "checkpoints" / longrun.PREEMPTED_MARKER).read_text().strip() == "step_6"
+    assert (out / "checkpoints" / checkpoint.PREEMPTED_MARKER).read_text().strip() == "step_6"
     state = json.loads((out / "checkpoints" / "step_6" / "trainer_state.json").read_text())
     assert state["step"] == 6 and state["eval_pending"] is True
     assert [e["step"] for e in eval_records(out)] == [3]  # the evaluation of step 6 is left to the resumed run
     run_recipe(out, *REF_FLAGS)
-    assert not (out / "checkpoints" / longrun.PREEMPTED_MARKER).exists()
+    assert not (out / "checkpoints" / checkpoint.PREEMPTED_MARKER).exists()
     assert_same_run(reference, out)
 
 
@@ -152,7 +151,7 @@ def test_signal_before_training_stops_at_the_first_flush(reference, tmp_path):
     proc = run_recipe(out, *REF_FLAGS, check=False, env={"CLS_FAULT": "sigusr1:0:1"})
     assert "preempted (a stop signal on 1 of 2 ranks): checkpoint step_2 written" in proc.stdout, proc.stderr[-3000:]
     assert "exitcode  : 3" in proc.stderr
-    assert (out / "checkpoints" / longrun.PREEMPTED_MARKER).read_text().strip() == "step_2"
+    assert (out / "checkpoints" / checkpoint.PREEMPTED_MARKER).read_text().strip() == "step_2"
     assert checkpoint_steps(out) == [2] and [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2]
     run_recipe(out, *REF_FLAGS)
     assert_same_run(reference, out)
@@ -180,7 +179,7 @@ def test_sigterm_to_the_launcher_checkpoints_within_the_kill_window(reference, t
             raise
     print(f"launcher exited {proc.returncode} {took:.1f} s after SIGTERM")
     assert took < 30, "the workers must be done before the agent's SIGKILL (30 s after it forwards SIGTERM)"
-    assert (out / "checkpoints" / longrun.PREEMPTED_MARKER).read_text().strip() == "step_8", stdout + stderr
+    assert (out / "checkpoints" / checkpoint.PREEMPTED_MARKER).read_text().strip() == "step_8", stdout + stderr
     assert "preempted (a stop signal on 2 of 2 ranks): checkpoint step_8 written" in stdout  # forwarded to both
     assert json.loads((out / "checkpoints" / "step_8" / "trainer_state.json").read_text())["step"] == 8
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == list(range(1, 9))
@@ -193,7 +192,7 @@ def test_non_finite_loss_stops_before_any_later_checkpoint(reference, tmp_path):
     proc = run_recipe(out, *REF_FLAGS, check=False, env={"CLS_FAULT": "nan:5:1"})
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
-    assert f"non-finite loss nan at step 5" in errors[0]
+    assert "non-finite loss nan at step 5" in errors[0]
     assert f"last good checkpoint: {out / 'checkpoints' / 'step_4'}" in errors[0]
     assert checkpoint_steps(out) == [2, 4] and (out / "checkpoints" / "latest").read_text().strip() == "step_4"
     assert losses(out)[:4] == losses(reference)[:4] and math.isnan(losses(out)[4])
@@ -280,13 +279,13 @@ def test_rotation_keeps_the_newest_and_latest_and_their_conversions(tmp_path):
     for name in ("step_2", "step_4", "step_4.universal", "step_10", "step_12", "step_14.tmp"):
         (root / name).mkdir(parents=True)
     (root / "latest").write_text("step_4\n")  # e.g. a run resumed from step_4 after a rollback
-    assert longrun.rotate_checkpoints(root, 2) == ["step_2"]
+    assert checkpoint.rotate_checkpoints(root, 2) == ["step_2"]
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_10", "step_12", "step_14.tmp", "step_4",
                                                       "step_4.universal"]
     (root / "latest").write_text("step_12\n")
-    assert longrun.rotate_checkpoints(root, 1) == ["step_4", "step_10"]
+    assert checkpoint.rotate_checkpoints(root, 1) == ["step_4", "step_10"]
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_12", "step_14.tmp"]
-    assert longrun.rotate_checkpoints(root, None) == []
+    assert checkpoint.rotate_checkpoints(root, None) == []
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -386,5 +385,5 @@ def test_slurm_script_turns_usr1_into_a_checkpoint_and_requeues(tmp_path):
                           env={**env, "MODE": "fail"}, capture_output=True, text=True, timeout=120)
     lines = calls.read_text().splitlines()
     assert proc.returncode == 1 and not any(line.startswith("scontrol") for line in lines)
-    assert not (out / "checkpoints" / longrun.PREEMPTED_MARKER).exists()
+    assert not (out / "checkpoints" / checkpoint.PREEMPTED_MARKER).exists()
     assert lines[-1].count("--resume_from_checkpoint") == 1  # the user's value is kept, no auto added
