@@ -267,7 +267,7 @@ def main(cfg: Config) -> dict:
             failure = err
     if failure:
         raise failure
-    run = longrun.LongRun(cfg, cfg.problem_type, start, out)  # checks --metric_for_best_model
+    run = longrun.LongRun(cfg, start, out)  # checks --metric_for_best_model
     loaders = data.build_loaders(cfg, train_ds, eval_ds, tokenizer, accelerator.num_processes, resume=start,
                                  device_type=accelerator.device.type)
     total_steps = loaders.plan.total_steps

@@ -368,7 +368,7 @@ class EvenShardBatchSampler(torch.utils.data.Sampler):
 
     def keep_order(self, epoch: int, group_size: int) -> None:
         """Epoch `epoch` is ordered as the run that wrote the checkpoint ordered it (its length grouping
-        `group_size`), whole: the consumed micro-batches are skipped by the loader (`accelerator.skip_first_batches`)."""
+        `group_size`), whole: the loop skips the consumed micro-batches (`accelerator.skip_first_batches`)."""
         if group_size and self.lengths is None:
             raise RecipeError("the checkpoint was written with --group_by_length: its epoch order needs the lengths")
         self.resume_epoch, self.resume_samples, self.resume_group_size = epoch, 0, group_size
@@ -446,9 +446,9 @@ class StepPlan:
 
     @classmethod
     def of(cls, sampler: EvenShardBatchSampler, accum: int, epochs: int, max_steps: Optional[int],
-           done_steps: int = 0, skipped_steps: int = 0) -> "StepPlan":
+           done_steps: int = 0, consumed_steps: int = 0) -> "StepPlan":
         """`done_steps`: the resume point's step; the sampler knows its epoch (and, after --force_resume with another
-        global batch, its sample position). `skipped_steps`: the optimizer steps of the resumed epoch that the loop
+        global batch, its sample position). `consumed_steps`: the optimizer steps of the resumed epoch that the loop
         skips with `accelerator.skip_first_batches` (the global batch unchanged).
 
         With the global batch unchanged, the windows left in the resumed epoch are the tail of a full epoch's and
@@ -457,7 +457,7 @@ class StepPlan:
         full = window_samples(sampler.full_sizes, accum)
         first = sampler.resume_epoch or 0
         rest = window_samples(sampler.rest_sizes(), accum) if sampler.resume_samples else None
-        end_of_first = done_steps + (len(rest) if rest else len(full) - skipped_steps)
+        end_of_first = done_steps + (len(rest) if rest else len(full) - consumed_steps)
         total = max_steps or end_of_first + (epochs - first - 1) * len(full)
         n_epochs = first + 1 + max(0, math.ceil((total - end_of_first) / len(full)))
         if done_steps >= total:  # resumed from the last step: nothing left to train

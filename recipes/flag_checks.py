@@ -61,7 +61,9 @@ def flag_problems(cfg) -> list[str]:
         problems.append(f"--resume_from_checkpoint {resume}: not a folder, 'latest' or 'auto'")
     if cfg.metric_for_best_model is not None:  # checked again once the data tell an inferred problem type
         known_type = cfg.problem_type if cfg.problem_type in PROBLEM_TYPES else None
-        problems += filter(None, [longrun.metric_problem(cfg.metric_for_best_model, known_type)])
+        problem = longrun.metric_problem(cfg.metric_for_best_model, known_type)
+        if problem:
+            problems.append(problem)
     if cfg.predict_file and not Path(cfg.predict_file).is_file():
         problems.append(f"predict file not found: {cfg.predict_file}")
     return problems

@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Optional
 
 from recipes import RecipeError, checkpoint, tasks
+from recipes.metrics import SCORES
 
 PREEMPTED_EXIT = 3  # exit status of a worker that stopped on a signal after writing its checkpoint: resume it
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-# The metrics eval.jsonl reports per problem type (recipes/metrics, and the evaluation's mean loss); the first one
-# is the default --metric_for_best_model.
-EVAL_METRICS = {"single_label": ("accuracy", "f1", "loss"), "regression": ("pearson", "spearman", "loss"),
-                "multi_label": ("micro_f1", "macro_f1", "exact_match", "loss")}
+# The metrics eval.jsonl reports per problem type: the scores and the evaluation's mean loss (cls.evaluate); the
+# first one is the default --metric_for_best_model.
+EVAL_METRICS = {problem_type: (*scores, "loss") for problem_type, scores in SCORES.items()}
 
 requested_signal: Optional[int] = None  # the stop signal this process received (module-wide: see probe.py's wait)
 
@@ -69,10 +69,10 @@ def metric_direction(metric: str) -> bool:
 class LongRun:
     """Best model, early stopping, preemption and the non-finite guard for one run (every rank holds the same one)."""
 
-    def __init__(self, cfg, problem_type: str, start, out: Path):
+    def __init__(self, cfg, start, out: Path):
         task_metric = tasks.get_task(cfg.task_name).metric if getattr(cfg, "task_name", None) else None
-        self.metric = cfg.metric_for_best_model or task_metric or EVAL_METRICS[problem_type][0]
-        problem = metric_problem(self.metric, problem_type)
+        self.metric = cfg.metric_for_best_model or task_metric or EVAL_METRICS[cfg.problem_type][0]
+        problem = metric_problem(self.metric, cfg.problem_type)
         if problem:
             raise RecipeError(problem)
         self.greater_is_better = metric_direction(self.metric)

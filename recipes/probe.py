@@ -4,21 +4,22 @@ One `Probe` per process. It does nothing unless `--record_ranks` (per-rank recor
 `CLS_FAULT=<kind>:<step>:<rank>` asks for it. Faults (FAULTS), on the first attempt of an elastic launch only (a
 restarted worker, TORCHELASTIC_RESTART_COUNT > 0, runs clean): SIGKILL that rank after optimizer step N (`step`) or
 while saving checkpoint N (`save`); make its save of checkpoint N fail (`savefail`, an OSError); send it SIGTERM or
-SIGUSR1 after step N, or with N = 0 at start-up, before the data are prepared (`sigterm`, `sigusr1`); make its logits NaN in the forward passes of step N (`nan`); after step N, write
-<output_dir>/probe_waiting and wait there until a stop signal arrives, 60 s at most (`wait`: a test then signals the
-launcher at a known step). The training loop calls it at four points: `epoch` (the loader of each epoch), `batch`
-(each micro-batch), `step` (each optimizer step) and `finish` (after training); `save_checkpoint` calls `saved`.
-Inert, each call returns at once and the batches carry no sample ids. One more point is for the benchmark only: an in-process harness may set `Probe.step_hook` to a
-callable that `step` calls with the step number (scripts/bench_baselines.py `alternate` takes turns there with other
-training loops in the same process); it is None in every launch.
+SIGUSR1 after step N, or with N = 0 at start-up, before the data are prepared (`sigterm`, `sigusr1`); make its
+logits NaN in the forward passes of step N (`nan`); after step N, write <output_dir>/probe_waiting and wait there
+until a stop signal arrives, 60 s at most (`wait`: a test then signals the launcher at a known step). The training
+loop calls it at four points: `epoch` (the loader of each epoch), `batch` (each micro-batch), `step` (each optimizer
+step) and `finish` (after training); `save_checkpoint` calls `saved`. Inert, each call returns at once and the
+batches carry no sample ids. One more point is for the benchmark only: an in-process harness may set
+`Probe.step_hook` to a callable that `step` calls with the step number (scripts/bench_baselines.py `alternate` takes
+turns there with other training loops in the same process); it is None in every launch.
 
 With --record_ranks each rank writes ranks/rank<i>.json: the ids of the training examples it saw, micro-batch by
 micro-batch; per epoch, the micro-batches its loader skipped through `accelerator.skip_first_batches` (a resumed
-epoch) and the loader's batch sampler; a float64 sum of each parameter as the rank holds it; the dtypes the first Linear computed in and the
-optimizer's master weights and state are kept in; the optimizer that really steps (under Accelerate's and
-DeepSpeed's wrappers, which may replace the one the recipe built) and its update rule; the dtypes FSDP2 accumulates
-gradients in between the micro-batches of a step; the memory the rank holds (recipes/memstats.py); and, with
-CLS_COMM=1, "comm": the bytes of the collectives of optimizer steps COMM_STEPS (recipes/commstats.py), per step and
+epoch) and the loader's batch sampler; a float64 sum of each parameter as the rank holds it; the dtypes the first
+Linear computed in and the optimizer's master weights and state are kept in; the optimizer that really steps
+(under Accelerate's and DeepSpeed's wrappers, which may replace the one the recipe built) and its update rule; the
+dtypes FSDP2 accumulates gradients in between the micro-batches of a step; the memory the rank holds
+(recipes/memstats.py); and, with CLS_COMM=1, "comm": the bytes of the collectives of optimizer steps COMM_STEPS (recipes/commstats.py), per step and
 per kind of collective, and the host reads of tensor values in those steps, by module.
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from recipes import commstats, memstats
+from recipes import commstats, longrun, memstats
 from recipes.data import SAMPLE_IDS
 
 FAULT_VARIABLE = "CLS_FAULT"
@@ -106,7 +107,7 @@ class Probe:
         return output
 
     def epoch(self, epoch: int, loader) -> None:
-        """The loader the loop iterates in `epoch`: in a resumed epoch, the one `accelerator.skip_first_batches` made."""
+        """The loader the loop iterates in `epoch` (in a resumed epoch, `accelerator.skip_first_batches`' loader)."""
         if self.record:
             sampler = loader.batch_sampler
             self.epochs.append({"epoch": epoch, "batch_sampler": type(sampler).__name__,
@@ -167,8 +168,6 @@ class Probe:
             os.kill(os.getpid(), SIGNAL_FAULTS[kind])
 
     def _wait_for_signal(self) -> None:
-        from recipes import longrun
-
         (self.out / "probe_waiting").write_text(f"{self.last_step}\n")
         deadline = time.monotonic() + 60
         while longrun.requested_signal is None and time.monotonic() < deadline:

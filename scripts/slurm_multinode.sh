@@ -19,7 +19,7 @@
 #SBATCH --output=slurm-%j.out
 #SBATCH --open-mode=append           # a requeued job appends to the same log
 #SBATCH --requeue                    # `scontrol requeue` below may put the job back in the queue
-#SBATCH --signal=B:USR1@180          # USR1 to this script (B:) 180 s before the time limit: keep SLURM_SIGNAL_LEAD equal
+#SBATCH --signal=B:USR1@180          # USR1 to this script (B:) 180 s before the time limit; = SLURM_SIGNAL_LEAD
 set -euo pipefail
 
 cd "${SLURM_SUBMIT_DIR:-.}"

@@ -74,6 +74,7 @@ def checkpoint_steps(out: Path) -> list[int]:
 def test_reference_keeps_the_best_stops_early_and_rotates(reference, tmp_path):
     evals = eval_records(reference)
     assert [e["step"] for e in evals] == [3, 6, 9]
+    assert set(longrun.EVAL_METRICS["single_label"]) <= set(evals[0])  # every accepted name is reported
     assert [e["evals_without_improvement"] for e in evals] == [0, 1, 2]
     assert {e["best_step"] for e in evals} == {BEST_STEP} and {e["best_metric"] for e in evals} == {"accuracy"}
     assert evals[0]["accuracy"] >= max(e["accuracy"] for e in evals)
@@ -134,7 +135,8 @@ def test_preempted_worker_stops_every_rank_at_a_checkpoint_then_resumes(referenc
     the evaluation due at step 6 included."""
     out = tmp_path / "preempted"
     proc = run_recipe(out, *REF_FLAGS, check=False, env={"CLS_FAULT": "sigterm:5:1"})
-    assert proc.returncode != 0 and "preempted (a stop signal on 1 of 2 ranks): checkpoint step_6 written" in proc.stdout
+    assert proc.returncode != 0
+    assert "preempted (a stop signal on 1 of 2 ranks): checkpoint step_6 written" in proc.stdout
     assert "exitcode  : 3" in proc.stderr
     assert (out / "checkpoints" / checkpoint.PREEMPTED_MARKER).read_text().strip() == "step_6"
     state = json.loads((out / "checkpoints" / "step_6" / "trainer_state.json").read_text())
@@ -214,6 +216,7 @@ def test_failed_save_on_one_rank_stops_every_rank_and_resume_goes_on(reference, 
 
 # --- no launches ----------------------------------------------------------------------------------------------------
 class Cfg:
+    problem_type = "single_label"
     task_name = None
     metric_for_best_model = None
     early_stopping_patience = 2
@@ -224,7 +227,7 @@ def make_run(tmp_path, **overrides) -> longrun.LongRun:
     cfg = Cfg()
     for k, v in overrides.items():
         setattr(cfg, k, v)
-    return longrun.LongRun(cfg, "single_label", ResumePoint(), tmp_path)
+    return longrun.LongRun(cfg, ResumePoint(), tmp_path)
 
 
 def test_best_metric_direction_nan_and_patience(tmp_path):
@@ -234,13 +237,13 @@ def test_best_metric_direction_nan_and_patience(tmp_path):
     better = [run.after_eval({"step": s, "loss": v}) for s, v in seq]
     assert better == [True, False, True, False, False]  # a NaN is never the best
     assert (run.best_step, run.best_value, run.bad_evals, run.stop_early) == (3, 0.5, 2, True)
-    resumed = longrun.LongRun(Cfg(), "single_label", ResumePoint(long_run=run.state()), tmp_path)
+    resumed = longrun.LongRun(Cfg(), ResumePoint(long_run=run.state()), tmp_path)
     assert (resumed.best_step, resumed.bad_evals, resumed.stop_early) == (3, 2, True)
     with pytest.raises(RecipeError, match="reports accuracy, f1, loss"):
         make_run(tmp_path, metric_for_best_model="pearson")
     assert make_run(tmp_path).metric == "accuracy" and make_run(tmp_path).greater_is_better
     for problem_type, default in (("regression", "pearson"), ("multi_label", "micro_f1")):
-        assert longrun.LongRun(Cfg(), problem_type, ResumePoint(), tmp_path).metric == default
+        assert make_run(tmp_path, problem_type=problem_type).metric == default
     # a named task's own metric: MRPC by F1; SST-2 names none, so accuracy
     assert [make_run(tmp_path, task_name=name).metric for name in ("mrpc", "sst2")] == ["f1", "accuracy"]
     assert make_run(tmp_path, task_name="mrpc", metric_for_best_model="loss").metric == "loss"
@@ -377,7 +380,8 @@ def test_slurm_script_turns_usr1_into_a_checkpoint_and_requeues(tmp_path):
     assert launch.endswith("--resume_from_checkpoint auto store=1 window=150")
     assert lines[-2:] == ["launch got TERM", "scontrol requeue 4242"]
     assert "preempted at step_6: requeueing job 4242" in stdout
-    lead = int(next(line for line in script.read_text().splitlines() if line.startswith("SLURM_SIGNAL_LEAD=")).split("=")[1])
+    lead = next(line for line in script.read_text().splitlines() if line.startswith("SLURM_SIGNAL_LEAD="))
+    lead = int(lead.split("=")[1])
     assert f"#SBATCH --signal=B:USR1@{lead} " in script.read_text() and "#SBATCH --requeue" in script.read_text()
     # A failed launch with a stale marker from an earlier run: removed first, no requeue, the launch's status.
     calls.unlink()

@@ -10,6 +10,9 @@ from pathlib import Path
 
 METRICS_DIR = Path(__file__).resolve().parent
 MODULES = {"single_label": ("accuracy", "f1"), "regression": ("correlation",), "multi_label": ("multilabel",)}
+# The keys compute_metrics returns per problem type, its first the problem type's main metric.
+SCORES = {"single_label": ("accuracy", "f1"), "regression": ("pearson", "spearman"),
+          "multi_label": ("micro_f1", "macro_f1", "exact_match")}
 
 
 def load_metrics(problem_type: str = "single_label") -> dict:
