@@ -19,8 +19,9 @@ epoch) and the loader's batch sampler; a float64 sum of each parameter as the ra
 Linear computed in and the optimizer's master weights and state are kept in; the optimizer that really steps
 (under Accelerate's and DeepSpeed's wrappers, which may replace the one the recipe built) and its update rule; the
 dtypes FSDP2 accumulates gradients in between the micro-batches of a step; the memory the rank holds
-(recipes/memstats.py); and, with CLS_COMM=1, "comm": the bytes of the collectives of optimizer steps COMM_STEPS (recipes/commstats.py), per step and
-per kind of collective, and the host reads of tensor values in those steps, by module.
+(recipes/memstats.py); and, with CLS_COMM=1, "comm": the bytes of the collectives of optimizer steps COMM_STEPS
+(recipes/commstats.py), per step and per kind of collective, and the host reads of tensor values in those steps, by
+module.
 """
 from __future__ import annotations
 
