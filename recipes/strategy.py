@@ -16,7 +16,7 @@ from typing import NoReturn
 
 import torch
 
-from recipes import RecipeError, launch_checks
+from recipes import RecipeError, fsdp_wrap, launch_checks
 
 
 def make_accelerator(cfg):
@@ -26,9 +26,9 @@ def make_accelerator(cfg):
     MULTI_CPU (accelerate 1.15.0): with `cpu=False` every rank trains alone and nothing fails.
     """
     from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
+    from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
 
-    launch_checks.check_devices(os.environ)
+    launch_checks.check_devices(os.environ, cfg.data_parallel)
     on_cpu = not torch.cuda.is_available()
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true"
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false") == "true"
@@ -37,13 +37,14 @@ def make_accelerator(cfg):
     if deepspeed:
         check_extension_locks()
     group = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout), backend="gloo" if gloo else None)
+    ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.ddp_find_unused_parameters)
     accelerator = Accelerator(
         cpu=on_cpu and not deepspeed,  # cpu=True would replace the DeepSpeed launch by plain MULTI_CPU
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         step_scheduler_with_optimizer=False,  # the recipe steps the scheduler once per optimizer step itself
         log_with="tensorboard",
         project_dir=cfg.output_dir,
-        kwargs_handlers=[group],
+        kwargs_handlers=[group, ddp],
         # Host-to-device copies that do not wait: the batch comes from pinned memory on GPUs (data.build_loaders).
         dataloader_config=DataLoaderConfiguration(non_blocking=not on_cpu),
     )
@@ -95,6 +96,49 @@ def reduce_fsdp_gradients_in_fp32(accelerator) -> None:
     if policy is None or accelerator.mixed_precision == "no":
         return
     plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=torch.float32)
+
+
+def complete_plugins(accelerator, cfg, model) -> None:
+    """What the launch config leaves to the recipe, set before `accelerator.prepare`: DeepSpeed's "auto" values that
+    Accelerate cannot fill, and the classes FSDP shards one at a time when the YAML names none."""
+    fill_deepspeed_auto(accelerator, cfg)
+    set_fsdp_wrap_classes(accelerator, model)
+
+
+def set_fsdp_wrap_classes(accelerator, model) -> list[str]:
+    """Under FSDP's transformer-based wrap with no class named in the YAML, the classes of recipes/fsdp_wrap.py.
+
+    Accelerate 1.15.0 reads `transformer_cls_names_to_wrap` from FSDP_TRANSFORMER_CLS_TO_WRAP (None when the YAML has
+    no `fsdp_transformer_layer_cls_to_wrap`) and, when None, takes the model's `_no_split_modules` inside `prepare`
+    (`FullyShardedDataParallelPlugin.set_auto_wrap_policy`); set here, it takes these instead. Returns the names.
+    """
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    policy = getattr(plugin, "auto_wrap_policy", None)
+    if getattr(policy, "func", policy) is not transformer_auto_wrap_policy:
+        return []
+    if plugin.transformer_cls_names_to_wrap is None:
+        names, source = fsdp_wrap.wrap_classes(model)
+        plugin.transformer_cls_names_to_wrap = names
+        accelerator.print(f"FSDP shards {', '.join(names)} one at a time ({source} of {type(model).__name__})")
+    return list(plugin.transformer_cls_names_to_wrap)
+
+
+def drop_unused_weight_renamings(model):
+    """Keep a model loaded under ZeRO-3 from saving some weights under legacy names (LayerNorm.gamma / .beta).
+
+    transformers 5.23 remembers the key renamings a `from_pretrained` applied, so that `save_pretrained` writes the
+    names the checkpoint had. Its usual loader keeps only the renamings that matched a key; its DeepSpeed ZeRO-3 loader
+    (integrations/deepspeed.py, `model_to_load._weight_conversions = weight_mapping`) keeps them all, the "legacy"
+    LayerNorm.gamma -> LayerNorm.weight among them, so final/ of a zero3 run named every LayerNorm.weight
+    LayerNorm.gamma: transformers reads it back, other readers of the file do not. Filtered here as the usual loader
+    does (`WeightTransform.was_used`). Returns the model.
+    """
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions:
+        model._weight_conversions = [c for c in conversions if c.was_used()]
+    return model
 
 
 def fill_deepspeed_auto(accelerator, cfg) -> None:
@@ -254,6 +298,21 @@ def held_open(path: Path) -> bool:
             continue
     return False
 
+
+
+def explained(err: Exception) -> RecipeError | None:
+    """`err` as the one-line RecipeError the user should read, or None when it is not one the recipe explains.
+
+    torch 2.13.0's DDP raises "Expected to have finished reduction in the prior iteration" at the step after one in
+    which a parameter got no gradient (an encoder with layers its classifier does not use, e.g. a DeBERTa-v2 config
+    with relative attention but no pos_att_type), with a long message about find_unused_parameters.
+    """
+    if isinstance(err, RecipeError):
+        return err
+    if isinstance(err, RuntimeError) and "Expected to have finished reduction in the prior iteration" in str(err):
+        return RecipeError("some parameters of the model got no gradient in a step, which DDP refuses: add "
+                           "--ddp_find_unused_parameters (or remove the unused layers from the model's config)")
+    return None
 
 
 def exit_process(code: int) -> NoReturn:

@@ -499,7 +499,7 @@ def run_bench(profile: Profile, strategies=STRATEGIES, baselines=BASELINES, runs
     runs = []
     peaks = {}
     for spec in profile.models:
-        shape = memory_model.shape_from_model(str(REPO / spec.path))
+        shape = memory_model.shape_from_model(str(REPO / spec.path) if (REPO / spec.path).exists() else spec.path)
         for name, round_ in schedule:
             run = run_one(spec, name, round_, profile, runs_dir, recipe, n_gpus, shape, peaks)
             runs.append(run)
@@ -524,6 +524,9 @@ def main(argv=None) -> None:
     parser.add_argument("--strategies", nargs="*", choices=STRATEGIES, default=list(STRATEGIES))
     parser.add_argument("--baselines", nargs="*", choices=BASELINES, default=list(BASELINES))
     parser.add_argument("--precision", choices=("fp32", "bf16"), help="override every model's precision")
+    parser.add_argument("--model_name_or_path", help="bench this model instead of the profile's (any encoder a "
+                        "sequence classifier is built from; a folder without weights trains from random init); the "
+                        "README's figures are left alone")
     parser.add_argument("--recipe", default="recipes/cls.py", help="the recipe to launch (to compare two versions)")
     parser.add_argument("--runs_dir", default=str(REPO / "runs" / "bench"))
     parser.add_argument("--results_dir", default=str(REPO / "results"))
@@ -535,6 +538,8 @@ def main(argv=None) -> None:
         results = rerender(Path(args.rerender))
     else:
         profile = PROFILES[args.profile]
+        if args.model_name_or_path:
+            profile.models = [custom_model(args.model_name_or_path)]
         if args.precision:
             for spec in profile.models:
                 spec.precision = args.precision
@@ -543,7 +548,18 @@ def main(argv=None) -> None:
     paths = write_results(results, Path(args.results_dir))
     print("\n".join(["", *ratio_lines(results), ""]))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
-    update_readme(Path(args.readme), results, paths)
+    if not args.model_name_or_path:  # the README quotes the shipped profiles only
+        update_readme(Path(args.readme), results, paths)
+
+
+def custom_model(name_or_path: str) -> ModelSpec:
+    """A ModelSpec for --model_name_or_path: fp32 and the tiny model's learning rate (a few steps on few samples),
+    from random init when the folder holds a config but no weights."""
+    from recipes.flag_checks import WEIGHT_FILES
+
+    folder = Path(name_or_path)
+    random_init = folder.is_dir() and not any((folder / f).is_file() for f in WEIGHT_FILES)
+    return ModelSpec(folder.name or name_or_path, name_or_path, random_init, "fp32", 1e-3)
 
 
 if __name__ == "__main__":

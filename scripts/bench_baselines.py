@@ -35,10 +35,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from accelerate.utils import set_seed
-from transformers import (AutoTokenizer, Trainer, TrainerCallback, TrainingArguments,
+from transformers import (Trainer, TrainerCallback, TrainingArguments,
                           get_linear_schedule_with_warmup)
 
-from recipes import data, memstats, records, strategy
+from recipes import data, flag_checks, memstats, records, strategy
 from recipes.cls import Config, build_model, param_groups
 from scripts.bench_report import round_order
 
@@ -321,7 +321,7 @@ def main(argv=None) -> None:
     device = select_device(args.precision, cfg.tf32)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path)
+    tokenizer = flag_checks.load_tokenizer(cfg)
     train_ds, eval_ds, names = data.prepare_datasets(cfg, tokenizer)
     if len(train_ds) % args.batch_size:
         sys.exit(f"error: --max_train_samples ({len(train_ds)}) must be a multiple of --batch_size")

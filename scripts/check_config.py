@@ -8,14 +8,24 @@ repository root: like `accelerate launch`, it reads `deepspeed_config_file` rela
 Recipe flags are those of recipes/cls.py; the ones not given take its defaults. Without --model_name_or_path the
 FSDP wrap classes are not checked. With --trainer_args (a TrainingArguments JSON) it also names each setting on which
 a transformers.Trainer script and the YAML + DeepSpeed JSON pair disagree (recipes/trainer_args_checks.py). The
-checks themselves are recipes/launch_checks.py, which the recipe also runs at start-up.
+checks themselves are recipes/launch_checks.py, which the recipe also runs at start-up. A warning (fewer processes
+than GPUs) is printed as "<file>: warning: ..." and does not change the exit status.
+
+For a DeepSpeed YAML, --write_resolved PATH writes its DeepSpeed JSON with every "auto" filled for the recipe flags,
+the model and --num_processes (default: the YAML's), as the recipe's launch would: a file that plain `deepspeed`
+(no Accelerate, no Trainer) accepts. It is parsed by DeepSpeed's own config class before it is written.
+
+    python scripts/check_config.py accelerate_configs/zero2_offload.yaml --write_resolved ds_zero2_offload.json \
+        --model_name_or_path roberta-base --per_device_train_batch_size 16 --num_processes 8
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
 from dataclasses import fields
+from unittest import mock
 from pathlib import Path
 
 from recipes import launch_checks, trainer_args_checks
@@ -29,9 +39,10 @@ def recipe_flags(recipe: dict) -> dict:
     return {**{f.name: f.default for f in fields(Config)}, **recipe}
 
 
-def check_yaml(yaml_path: str, recipe: dict, model_path: str | None = None) -> list[str]:
+def check_yaml(yaml_path: str, recipe: dict, model_path: str | None = None,
+               warnings: list[str] | None = None) -> list[str]:
     """launch_checks.check_yaml with the recipe defaults for the flags not in `recipe`."""
-    return launch_checks.check_yaml(yaml_path, recipe_flags(recipe), model_path)
+    return launch_checks.check_yaml(yaml_path, recipe_flags(recipe), model_path, warnings)
 
 
 def check_launch_env(env: dict, recipe: dict, model=None) -> list[str]:
@@ -51,6 +62,136 @@ def trainer_problems(trainer_args_path: str, yaml_path: str) -> list[str]:
                                                      where=trainer_args_path)
 
 
+def hidden_size(model_path: str | None) -> int:
+    """What Accelerate 1.15.0 (`Accelerator._prepare_deepspeed`) reads from the model for the bucket sizes."""
+    from transformers import AutoConfig
+
+    if not model_path:
+        raise ValueError("the DeepSpeed JSON sizes its buckets from the model (\"auto\"): give --model_name_or_path")
+    config = AutoConfig.from_pretrained(model_path)
+    if getattr(config, "hidden_size", None):
+        return config.hidden_size
+    if getattr(config, "hidden_sizes", None):
+        return max(config.hidden_sizes)
+    raise ValueError(f"{model_path} has no hidden_size: replace the \"auto\" bucket sizes by numbers")
+
+
+def autos(config, prefix: str = "") -> list[str]:
+    """The dotted keys whose value is still "auto"."""
+    if not isinstance(config, dict):
+        return []
+    return [name for key, value in config.items() for name in
+            ([f"{prefix}{key}"] if value == "auto" else autos(value, f"{prefix}{key}."))]
+
+
+def resolved_deepspeed_config(yaml_path: str, recipe: dict, model_path: str | None = None,
+                              num_processes: int | None = None) -> tuple[dict, int, list[str]]:
+    """The DeepSpeed JSON of a launch YAML with every "auto" filled as in the recipe's launch, for `num_processes`
+    processes over all machines (default: the YAML's num_processes); that process count; notes for a user of plain
+    `deepspeed`.
+
+    The recipe fills the micro-batch and the clipping before `prepare` (strategy.fill_deepspeed_auto), then
+    Accelerate 1.15.0 fills the rest inside `Accelerator.prepare` (`_prepare_deepspeed`): the same DeepSpeedPlugin
+    calls run here. Offload configs get an "optimizer" section (AdamW, the recipe's values), since plain DeepSpeed
+    refuses a torch optimizer with offload and nobody else swaps in its CPU Adam. ValueError when it cannot be done.
+    """
+    import yaml
+    from accelerate.utils import DeepSpeedPlugin
+
+    recipe = recipe_flags(recipe)
+    launch = yaml.safe_load(Path(yaml_path).read_text())
+    path = (launch.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if launch.get("distributed_type") != "DEEPSPEED" or not path:
+        raise ValueError(f"{yaml_path} is not a DeepSpeed YAML with a deepspeed_config_file: nothing to resolve")
+    world = num_processes or launch.get("num_processes") or 1
+    raw = json.loads(Path(path).read_text())
+    micro, clip = recipe["per_device_train_batch_size"], recipe["max_grad_norm"]
+    plugin = DeepSpeedPlugin(hf_ds_config=copy.deepcopy(raw), gradient_accumulation_steps=recipe[
+        "gradient_accumulation_steps"], gradient_clipping=clip, zero3_init_flag=False)
+    plugin.set_mixed_precision(str(launch.get("mixed_precision") or "no"))  # as AcceleratorState does
+    accum = plugin.get_value("gradient_accumulation_steps")
+    fill = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": clip,
+            "train_batch_size": micro * accum * world,
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save": False}
+    hidden_keys = ["zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+                   "zero_optimization.stage3_param_persistence_threshold"]
+    if any(plugin.is_auto(key) for key in hidden_keys):
+        # Accelerate 1.15.0 computes these inline in _prepare_deepspeed, with no function to call.
+        hidden = hidden_size(model_path)
+        fill.update(zip(hidden_keys, (hidden * hidden, int(0.9 * hidden * hidden), 10 * hidden)))
+    plugin.deepspeed_config_process(must_match=False, **fill)
+    config = plugin.deepspeed_config
+    # Accelerate 1.15.0 sets steps_per_print to float("inf") to silence DeepSpeed; json writes that as Infinity,
+    # which is not JSON. Keep the file's own value.
+    if "steps_per_print" in raw:
+        config["steps_per_print"] = raw["steps_per_print"]
+    else:
+        del config["steps_per_print"]
+    left = autos(config)
+    if left:
+        raise ValueError(f"{path}: no value for {', '.join(left)} (the recipe does not fill these either)")
+    notes = [f"{path} resolved for {world} processes: train_batch_size {config['train_batch_size']} = micro-batch "
+             f"{micro} x accumulation {accum} x {world}; DeepSpeed refuses it at another process count (resolve "
+             f"again with --num_processes N); gradient_clipping {clip} is --max_grad_norm"]
+    offload = (config["zero_optimization"].get("offload_optimizer") or {}).get("device", "none")
+    if offload != "none" and "optimizer" not in config:
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": recipe["learning_rate"], "betas": [0.9, 0.999],
+                                                           "eps": 1e-8, "weight_decay": recipe["weight_decay"]}}
+        notes.append("optimizer: DeepSpeed builds its CPU Adam (DeepSpeedCPUAdam, AdamW mode, a C++ op compiled "
+                     "on first use) from the \"optimizer\" section (the recipe's lr, weight decay, torch's betas and "
+                     "eps); pass deepspeed.initialize no optimizer (a torch one is refused with offload) and "
+                     "model_parameters=<param groups>, or every parameter decays, biases and LayerNorm included; "
+                     "the lr stays constant unless you pass lr_scheduler")
+    return config, world, notes
+
+
+def deepspeed_parse(config: dict, world: int):
+    """DeepSpeed's own parse of `config` (`DeepSpeedConfig`, its batch assertion included) at `world` processes."""
+    import deepspeed.comm
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    class DataParallelWorld:  # the one question DeepSpeedConfig asks its mpu
+        def get_data_parallel_world_size(self):
+            return world
+
+    # DeepSpeed 0.19.8's DeepSpeedConfig calls dist.get_rank() before it asks the mpu, and without a process group
+    # that raises and it falls back to world size 1. Answer as rank 0 of a real group would.
+    with mock.patch.object(deepspeed.comm, "get_rank", return_value=0):
+        return DeepSpeedConfig(copy.deepcopy(config), mpu=DataParallelWorld())
+
+
+def write_resolved(yaml_path: str, out: str, recipe: dict, model_path: str | None, num_processes: int | None) -> int:
+    """Write the resolved DeepSpeed JSON of `yaml_path` to `out`, or say why not (exit status 1)."""
+    try:
+        config, world, notes = resolved_deepspeed_config(yaml_path, recipe, model_path, num_processes)
+        deepspeed_parse(config, world)
+    except (OSError, ValueError, AssertionError, TypeError) as err:
+        print(f"{yaml_path}: cannot resolve: {' '.join(str(err).split())}")
+        return 1
+    Path(out).write_text(json.dumps(config, indent=2) + "\n")
+    print("\n".join(f"note: {note}" for note in notes))
+    print(f"wrote {out}")
+    return 0
+
+
+def fsdp_wrap_notes(yaml_path: str, recipe: dict) -> list[str]:
+    """For an FSDP YAML that names no wrap class: the classes the recipe picks for the model, and what to name in
+    the YAML when it is used outside the recipe (recipes/fsdp_wrap.py says why plain Accelerate differs)."""
+    import yaml
+
+    from recipes import fsdp_wrap
+
+    launch = yaml.safe_load(Path(yaml_path).read_text()) or {}
+    fsdp = launch.get("fsdp_config") or {}
+    if launch.get("distributed_type") != "FSDP" or fsdp.get("fsdp_auto_wrap_policy") != "TRANSFORMER_BASED_WRAP" \
+            or fsdp.get("fsdp_transformer_layer_cls_to_wrap"):
+        return []
+    loading = {k: recipe[k] for k in ("revision", "cache_dir", "trust_remote_code")}
+    names, source = fsdp_wrap.wrap_classes(launch_checks.cached_skeleton(recipe["model_name_or_path"], **loading))
+    return [f"FSDP shards {','.join(names)} one at a time ({source}); outside this recipe write "
+            f"fsdp_transformer_layer_cls_to_wrap: {','.join(names)}"]
+
+
 def main(argv=None) -> int:
     from transformers import HfArgumentParser
 
@@ -61,6 +202,10 @@ def main(argv=None) -> int:
     parser.add_argument("--all", action="store_true", help="check every file in accelerate_configs/")
     parser.add_argument("--trainer_args", help="a transformers TrainingArguments JSON (scripts/trainer_deepspeed.py "
                         "writes one) to check against each YAML and its DeepSpeed JSON")
+    parser.add_argument("--write_resolved", metavar="PATH", help="write the YAML's DeepSpeed JSON with every "
+                        "\"auto\" resolved (one DeepSpeed YAML), for plain `deepspeed`")
+    parser.add_argument("--num_processes", type=int, help="with --write_resolved: processes (GPUs) over all machines "
+                        "(default: the YAML's num_processes)")
     parser.set_defaults(model_name_or_path=None)  # no model given: skip the FSDP wrap-class check
     args = parser.parse_args(argv)
     recipe = {f.name: getattr(args, f.name) for f in fields(Config)}
@@ -68,13 +213,24 @@ def main(argv=None) -> int:
     paths = list(args.yamls) + (shipped if args.all else [])
     if not paths:
         parser.error("give YAML files or --all")
+    if args.write_resolved and len(paths) != 1:
+        parser.error("--write_resolved takes one YAML")
+    if args.num_processes is not None and (args.num_processes < 1 or not args.write_resolved):
+        parser.error("--num_processes N (N >= 1) goes with --write_resolved")
     failed = False
     for path in paths:
-        problems = launch_checks.check_yaml(path, recipe, args.model_name_or_path)
+        warnings = []
+        problems = launch_checks.check_yaml(path, recipe, args.model_name_or_path, warnings)
         if args.trainer_args and not problems:
             problems = trainer_problems(args.trainer_args, path)
+        for warning in warnings:
+            print(f"{path}: warning: {warning}")
         print("\n".join(f"{path}: {problem}" for problem in problems) or f"ok: {path}")
+        if not problems and args.model_name_or_path:
+            print("".join(f"{path}: note: {note}\n" for note in fsdp_wrap_notes(path, recipe)), end="")
         failed |= bool(problems)
+    if args.write_resolved and not failed:
+        return write_resolved(paths[0], args.write_resolved, recipe, args.model_name_or_path, args.num_processes)
     return 1 if failed else 0
 
 

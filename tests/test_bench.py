@@ -271,6 +271,19 @@ def test_bench_smoke_on_the_tiny_model(tiny_model, tmp_path):
     assert rows["zero2"]["world"] == 2 and rows["zero2"]["ds_config"]["bf16"]["enabled"] is False
 
 
+@pytest.mark.multiproc
+def test_bench_accepts_another_encoder(encoders, tmp_path):
+    """`make bench BENCH_MODEL=<folder>`: a DistilBERT under FSDP2, whose wrapped layers the recipe picks (its
+    _no_split_modules is empty); the memory model, told the same classes, predicts the bytes each rank holds."""
+    spec = bench.custom_model(str(encoders["distilbert"]))
+    assert (spec.name, spec.random_init, spec.precision) == ("distilbert", False, "fp32")
+    profile = bench.Profile(models=[spec], steps=4, warmup_steps=1, eval_samples=32, run_timeout=300)
+    (row,) = bench.run_bench(profile, strategies=("fsdp",), baselines=(), runs_dir=tmp_path / "runs")["runs"]
+    assert row["status"] == "ok", row["reason"]
+    assert abs(row["memory_ratio"] - 1) < 0.10, row["breakdown"]
+    assert row["run_config"]["config"]["model_name_or_path"] == str(encoders["distilbert"])
+
+
 def test_baton_takes_turns_in_rotating_order_and_times_no_waiting(monkeypatch):
     """Three loops in threads, blocks of 2 steps after 2 warm-up steps; a fake clock that only the running loop
     advances (by its own cost per step): every timed step must record exactly its loop's cost, never another's."""

@@ -5,6 +5,7 @@ Fast tier: no process is launched; the launched-process environment is made by a
 """
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -190,11 +191,23 @@ def test_launch_env_batch_sizes():
 
 
 def test_launch_env_wrap_class(meta_model):
-    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_TRANSFORMER_CLS_TO_WRAP": "BertLayer", "WORLD_SIZE": "2"}
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+           "FSDP_TRANSFORMER_CLS_TO_WRAP": "BertLayer", "WORLD_SIZE": "2"}
     (problem,) = check_config.check_launch_env(env, {}, meta_model)
     assert problem.startswith("FSDP wrap class 'BertLayer' is not a module of the model (its layer classes: "
                               "RobertaLayer)")
     assert check_config.check_launch_env(env, {}) == []  # no model yet: nothing to check
+    # RobertaEmbeddings is in RoBERTa's _no_split_modules, but holds the embedding Accelerate shards by itself
+    (problem,) = check_config.check_launch_env({**env, "FSDP_TRANSFORMER_CLS_TO_WRAP": "RobertaEmbeddings"}, {},
+                                               meta_model)
+    assert problem.startswith("FSDP wrap class 'RobertaEmbeddings' holds the input embedding")
+    del env["FSDP_TRANSFORMER_CLS_TO_WRAP"]  # none named (the shipped fsdp.yaml): the recipe chooses RobertaLayer
+    assert check_config.check_launch_env(env, {}, meta_model) == []
+    import torch
+
+    (problem,) = check_config.check_launch_env(env, {}, torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    assert problem.startswith("cannot tell which layers of Sequential FSDP should shard one at a time: set "
+                              "fsdp_transformer_layer_cls_to_wrap in the launch YAML")
 
 
 def test_launch_env_missing_json():
@@ -202,3 +215,108 @@ def test_launch_env_missing_json():
            "ACCELERATE_MIXED_PRECISION": "no", "WORLD_SIZE": "2"}
     assert check_config.check_launch_env(env, {}) == [
         "deepspeed_config_file 'ds_configs/zero4.json' not found (relative paths are read from where you launch)"]
+
+
+# ---- fewer processes than GPUs: a warning, in the checker and once per machine at start-up ----
+IDLE_8 = ("2 processes on this machine but 8 GPUs visible: 6 stay idle; to use them all: accelerate launch "
+          "--num_processes 8")
+
+
+@pytest.mark.parametrize("gpus,expected", [(8, [IDLE_8]), (2, []), (0, [])], ids=["8_gpus", "2_gpus", "cpu"])
+def test_fewer_processes_than_gpus_warns(monkeypatch, capsys, gpus, expected):
+    """zero2.yaml's 2 processes on an 8-GPU machine train on 2 GPUs: a warning naming the flag, not a problem; none
+    when the counts match, none in a CPU rehearsal (no GPU)."""
+    monkeypatch.setattr(launch_checks, "visible_gpus", lambda: gpus)
+    warned = []
+    assert check_config.check_yaml("accelerate_configs/zero2.yaml", {}, warnings=warned) == []
+    assert warned == expected
+    torchrun = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    launch_checks.check_devices({**torchrun, "LOCAL_RANK": "0"})
+    assert capsys.readouterr().err == "".join(f"warning: {w}\n" for w in expected)
+    launch_checks.check_devices({**torchrun, "LOCAL_RANK": "1"})  # once per machine: local rank 0 only
+    assert capsys.readouterr().err == ""
+    assert check_config.main(["accelerate_configs/zero2.yaml"]) == 0  # a warning keeps exit status 0
+    assert capsys.readouterr().out.splitlines() == [
+        *(f"accelerate_configs/zero2.yaml: warning: {w}" for w in expected), "ok: accelerate_configs/zero2.yaml"]
+
+
+def test_fewer_processes_than_gpus_names_the_total_over_machines(monkeypatch, capsys):
+    monkeypatch.setattr(launch_checks, "visible_gpus", lambda: 8)
+    total = "--num_processes 16 (8 per machine x 2 machines)"
+    launch_checks.check_devices({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    assert capsys.readouterr().err.endswith(f"6 stay idle; to use them all: accelerate launch {total}\n")
+    warned = []
+    check_config.check_yaml("accelerate_configs/multinode.yaml", {}, warnings=warned)  # 1 process per machine
+    assert warned == [f"1 process on this machine but 8 GPUs visible: 7 stay idle; to use them all: accelerate "
+                      f"launch {total}"]
+    warned = []
+    check_config.check_yaml("accelerate_configs/single.yaml", {}, warnings=warned)  # one device by design
+    assert warned == []
+
+
+def test_plain_python_on_many_gpus_names_launch_and_data_parallel(monkeypatch, capsys):
+    """`python recipes/cls.py` is one process: told about the idle GPUs unless --data_parallel uses them."""
+    monkeypatch.setattr(launch_checks, "visible_gpus", lambda: 8)
+    launch_checks.check_devices({}, data_parallel=False)
+    err = capsys.readouterr().err
+    assert err.startswith("warning: 1 process on this machine but 8 GPUs visible: 7 stay idle")
+    assert "accelerate launch --num_processes 8" in err and "--data_parallel" in err
+    launch_checks.check_devices({}, data_parallel=True)
+    launch_checks.check_devices({})  # the caller did not say: no guess
+    assert capsys.readouterr().err == ""
+
+
+# ---- --write_resolved: the DeepSpeed JSON for plain `deepspeed`, every "auto" filled ----
+RESOLVE_FLAGS = ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--max_grad_norm", "0.5"]
+
+
+def write_resolved(yaml_path: str, out: Path, model) -> dict:
+    argv = [yaml_path, "--write_resolved", str(out), "--model_name_or_path", str(model), "--num_processes", "8"]
+    assert check_config.main(argv + RESOLVE_FLAGS) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3", "zero2_offload"])
+def test_resolved_json_is_accepted_by_deepspeed_at_its_world_size(name, tmp_path, tiny_model, capsys):
+    config = write_resolved(f"accelerate_configs/{name}.yaml", tmp_path / "ds.json", tiny_model)
+    assert '"auto"' not in json.dumps(config)
+    ds = check_config.deepspeed_parse(config, 8)
+    assert ds.world_size == 8
+    assert (ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps, ds.train_batch_size) == (4, 2, 64)
+    assert ds.gradient_clipping == 0.5  # the recipe's --max_grad_norm, not Accelerate's 1.0
+    shipped = json.loads(Path(f"ds_configs/{name}.json").read_text())
+    assert config["zero_optimization"] == shipped["zero_optimization"]  # numbers given in the file stay
+    assert config["steps_per_print"] == shipped["steps_per_print"]  # not Accelerate's infinity
+    if "offload" in name:  # DeepSpeed builds its CPU Adam itself, with the recipe's AdamW values
+        assert config["optimizer"] == {"type": "AdamW", "params": {"lr": 2e-5, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                                    "weight_decay": 0.01}}
+        assert ds.optimizer_name == "adamw" and "model_parameters=<param groups>" in capsys.readouterr().out
+    else:
+        assert "optimizer" not in config
+    # What the check means: the same files are refused at another world size, and unresolved.
+    with pytest.raises(AssertionError, match="train_batch_size is not equal"):
+        check_config.deepspeed_parse(config, 2)
+    with pytest.raises(TypeError):
+        check_config.deepspeed_parse(shipped, 8)
+
+
+def test_resolved_bucket_sizes_come_from_the_hidden_size(tmp_path, tiny_model):
+    """A JSON that leaves the ZeRO-3 sizes "auto" gets Accelerate 1.15.0's values for hidden size 128."""
+    import yaml
+
+    ds = json.loads(Path("ds_configs/zero3.json").read_text())
+    for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
+        ds["zero_optimization"][key] = "auto"
+    (tmp_path / "zero3_auto.json").write_text(json.dumps(ds))
+    launch = yaml.safe_load(Path("accelerate_configs/zero3.yaml").read_text())
+    launch["deepspeed_config"]["deepspeed_config_file"] = str(tmp_path / "zero3_auto.json")
+    (tmp_path / "zero3_auto.yaml").write_text(yaml.safe_dump(launch))
+    config = write_resolved(str(tmp_path / "zero3_auto.yaml"), tmp_path / "ds.json", tiny_model)
+    zero = check_config.deepspeed_parse(config, 8).zero_config
+    assert (zero.reduce_bucket_size, zero.prefetch_bucket_size, zero.param_persistence_threshold) == (
+        128 * 128, int(0.9 * 128 * 128), 10 * 128)
+
+
+def test_write_resolved_refuses_a_yaml_without_deepspeed(tmp_path, capsys):
+    assert check_config.main(["accelerate_configs/ddp.yaml", "--write_resolved", str(tmp_path / "ds.json")]) == 1
+    assert "is not a DeepSpeed YAML" in capsys.readouterr().out and not (tmp_path / "ds.json").exists()

@@ -1,6 +1,7 @@
 """Every shipped strategy config, launched for real on 2 CPU processes (gloo), trains the same model.
 
-- Each config in accelerate_configs/ trains the tiny model to completion and leaves a final/ that loads.
+- Each config in accelerate_configs/ trains the tiny model to completion and leaves a final/ that loads, under the
+  model's own weight names; each starts from the checkpoint's weights (gathered where sharded).
 - Parity: in fp32 with one seed, FSDP, ZeRO-2 and ZeRO-3 follow DDP's per-step losses (DDP is the reference) and
   end at the same eval accuracy.
 - bf16 configs really compute in bf16 while master weights and optimizer state stay fp32.
@@ -15,11 +16,13 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from helpers import (ACCELERATE, PARITY_FLAGS, REPO, TINY_FLAGS, eval_loader, fp32_launch_args, free_port, kill_group,
-                     losses, no_gpu, rank_records, read_jsonl, run_recipe)
+from helpers import (ACCELERATE, PARITY_FLAGS, REPO, TINY, TINY_FLAGS, eval_loader, fp32_launch_args, free_port,
+                     kill_group, losses, no_gpu, rank_records, read_jsonl, run_recipe)
 from recipes import cls, strategy
 from recipes.metrics import load_metrics
+from recipes.probe import fingerprint
 
 pytestmark = [pytest.mark.multiproc, no_gpu]  # CPU rehearsal: gloo, FSDP on CPU, MULTI_CPU expected
 
@@ -88,6 +91,16 @@ def test_shipped_config_trains_to_completion(request, tmp_path, config):
     assert read_jsonl(tmp_path / "eval.jsonl")[-1]["n_examples"] == 101
     model, sizes = load_final(tmp_path)
     assert min(sizes) > 0 and model.num_labels == 2
+    # final/ holds the model's own weight names (a ZeRO-3 load once made them LayerNorm.gamma/.beta: strategy.py)
+    assert set(load_file(tmp_path / "final" / "model.safetensors")) == set(model.state_dict())
+    # the run started from the checkpoint's files, gathered where sharded, in the dtype the strategy holds weights in
+    # (DeepSpeed casts the module to bf16; FSDP2 keeps fp32 shards; the classifier is new, from the seed)
+    start = rank_records(tmp_path)[0]["start_weights"]
+    held = torch.bfloat16 if config.startswith("zero") else torch.float32
+    files = load_file(TINY / "model.safetensors")
+    assert len(start) == len(files) + 4  # + classifier.dense and classifier.out_proj, weight and bias
+    for key, tensor in files.items():
+        assert start[f"roberta.{key}"]["sha256"] == fingerprint(tensor.to(held))["sha256"], key
     assert all(math.isfinite(loss) for loss in losses(tmp_path))
     # final/ re-evaluated in one process, fp32, gives the run's last eval: exactly for the fp32 configs; the bf16
     # ones evaluated in bf16, which may flip a prediction near the boundary: at most 2 of the 101 examples.
