@@ -134,7 +134,10 @@ def test_zero_keys_are_known_to_deepspeed():
 
 def test_cli(capsys, tiny_model):
     assert check_config.main(["--all", "--model_name_or_path", str(tiny_model)]) == 0
-    assert capsys.readouterr().out.splitlines() == [f"ok: {p}" for p in SHIPPED]
+    fsdp = "accelerate_configs/fsdp.yaml"  # names no wrap class: the checker says which the recipe picks
+    assert capsys.readouterr().out.splitlines() == [line for p in SHIPPED for line in [f"ok: {p}"] + (
+        [f"{fsdp}: note: FSDP shards RobertaLayer one at a time (_no_split_modules); outside this recipe write "
+         "fsdp_transformer_layer_cls_to_wrap: RobertaLayer"] if p == fsdp else [])]
     assert check_config.main(["accelerate_configs/ddp.yaml", f"{BAD}/num_processes_zero.yaml",
                               "--per_device_train_batch_size", "8"]) == 1
     assert capsys.readouterr().out.splitlines() == [

@@ -3,6 +3,7 @@ CLS_COMM=1) against the textbook prediction (scripts/memory_model.py comm_bytes_
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -174,7 +175,7 @@ class EngineLike(torch.nn.Module):
 def test_probe_counts_only_the_chosen_steps_and_flags_evaluation(fake_world):
     model = EngineLike(torch.nn.Linear(4, 4))
     probe = Probe(record=True, rank=0, count_comm=True)
-    probe.watch(model)
+    probe.watch(model, SimpleNamespace(get_state_dict=lambda m: m.state_dict(), is_main_process=True))
     x = torch.ones(8, 4)
     for step in range(1, COMM_STEPS.stop + 1):
         probe.batch({"sample_ids": [step]})
