@@ -27,6 +27,7 @@ from transformers import (AutoConfig, AutoModelForSequenceClassification, HfArgu
 
 from recipes import (RecipeError, activation_checkpointing, checkpoint, data, elastic, flag_checks, launch_checks,
                      longrun, predict, problem, records, strategy, tasks)
+from recipes import tracking  # --report_to, the model card, --push_to_hub
 from recipes.metrics import compute_metrics, load_metrics
 from recipes.probe import Probe
 
@@ -95,6 +96,16 @@ class Config:
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
     cpu_threads: int = field(default=0, metadata={
         "help": "threads per process computing on CPU; 0: OMP_NUM_THREADS if above 1, else cores / local processes"})
+    # Trackers, model card, Hub upload (recipes/tracking.py); names and meanings as in transformers' TrainingArguments
+    report_to: str = field(default="tensorboard", metadata={
+        "help": f"trackers, comma-separated: {', '.join(tracking.TRACKERS)}; all (the installed ones) or none"})
+    push_to_hub: bool = field(default=False, metadata={"help": "at the end, upload final/ (with its card) to the Hub"})
+    hub_model_id: Optional[str] = field(default=None, metadata={
+        "help": "Hub repo, name or namespace/name (default: the --output_dir folder's name); names the model card"})
+    hub_private_repo: Optional[bool] = field(default=None, metadata={"nargs": "?", "const": True, "help":
+        "create the repo private (default: the account's setting; an existing repo keeps its visibility)"})
+    hub_token: Optional[str] = field(default=None, metadata={
+        "help": "token for --push_to_hub (default: HF_TOKEN or the stored login); never written anywhere"})
 
 
 def parse_config(argv=None) -> Config:
@@ -263,6 +274,7 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
 
 def main(cfg: Config) -> dict:
     longrun.install_signal_handlers()  # a stop signal from here on ends the run at a checkpoint (recipes/longrun.py)
+    tracking.check_startup(cfg)  # trackers installed, Hub token and Hub reachable: before any work
     flag_checks.check_model_source(cfg)  # before any process group: a bad model path fails alike on every rank
     accelerator = strategy.make_accelerator(cfg)
     out = Path(cfg.output_dir)
@@ -320,6 +332,7 @@ def main(cfg: Config) -> dict:
     if predict_ds is not None:
         predict.write_predictions(cfg, accelerator, model, predict_ds, tokenizer, names, out / "predictions.jsonl")
     result = longrun.save_final(accelerator, model, tokenizer, out, result, cfg.load_best_model_at_end)
+    tracking.finish(cfg, accelerator, out, result)  # final/README.md, and the upload with --push_to_hub
     accelerator.end_training()
     scores = " ".join(f"{k} {v:.4f}" for k, v in result.items() if k in longrun.EVAL_METRICS[cfg.problem_type])
     accelerator.print(f"eval {scores} on {result['n_examples']} examples after {result['step']} steps; "

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import torch
 
+REDACTED = "<redacted>"
+SECRET_FLAGS = ("hub_token",)  # never written: run_config.json and the trackers get REDACTED (recipes/tracking.py)
+
 
 def append_jsonl(path: Path, *records: dict) -> None:
     with open(path, "a") as f:
@@ -46,7 +49,7 @@ def describe_run(cfg, accelerator, total_steps: int, n_train: int, n_eval: int) 
     """The resolved configuration written to run_config.json."""
     world = accelerator.num_processes
     return {
-        "config": asdict(cfg),
+        "config": redacted(asdict(cfg)),
         "world_size": world,
         "distributed_type": accelerator.distributed_type.value,
         "mixed_precision": accelerator.mixed_precision,
@@ -64,7 +67,12 @@ def describe_run(cfg, accelerator, total_steps: int, n_train: int, n_eval: int) 
 
 def tracker_config(config: dict) -> dict:
     """TensorBoard hparams take only scalars and strings."""
-    return {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))}
+    return {k: v for k, v in redacted(config).items() if isinstance(v, (int, float, str, bool))}
+
+
+def redacted(config: dict) -> dict:
+    """The config with the value of each secret flag that is set replaced by REDACTED."""
+    return {k: REDACTED if k in SECRET_FLAGS and v else v for k, v in config.items()}
 
 
 class StepLog:

@@ -16,7 +16,7 @@ from typing import NoReturn
 
 import torch
 
-from recipes import RecipeError, fsdp_wrap, launch_checks
+from recipes import RecipeError, fsdp_wrap, launch_checks, tracking
 
 
 def make_accelerator(cfg):
@@ -42,7 +42,7 @@ def make_accelerator(cfg):
         cpu=on_cpu and not deepspeed,  # cpu=True would replace the DeepSpeed launch by plain MULTI_CPU
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         step_scheduler_with_optimizer=False,  # the recipe steps the scheduler once per optimizer step itself
-        log_with="tensorboard",
+        log_with=tracking.prepare_trackers(cfg),  # --report_to
         project_dir=cfg.output_dir,
         kwargs_handlers=[group, ddp],
         # Host-to-device copies that do not wait: the batch comes from pinned memory on GPUs (data.build_loaders).
