@@ -22,11 +22,10 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import (AutoConfig, AutoModelForSequenceClassification, HfArgumentParser,
-                          get_linear_schedule_with_warmup)
+from transformers import AutoConfig, AutoModelForSequenceClassification, HfArgumentParser
 
 from recipes import (RecipeError, activation_checkpointing, checkpoint, data, elastic, flag_checks, launch_checks,
-                     longrun, predict, problem, records, strategy, tasks)
+                     longrun, predict, problem, records, schedule, strategy, tasks)
 from recipes import tracking  # --report_to, the model card, --push_to_hub
 from recipes.metrics import compute_metrics, load_metrics
 from recipes.probe import Probe
@@ -70,9 +69,17 @@ class Config:
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     learning_rate: float = field(default=2e-5, metadata={"help": "peak learning rate of AdamW"})
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay, on matrices (not biases, norms)"})
-    warmup_ratio: float = field(default=0.06, metadata={"help": "fraction of steps of linear warm-up"})
+    lr_scheduler_type: str = field(default="linear", metadata={"help": "transformers' get_scheduler name "
+                                   "(recipes/schedule.py): linear, cosine, constant_with_warmup, ..."})
+    lr_scheduler_kwargs: Optional[str] = field(default=None, metadata={
+        "help": "JSON object of the schedule's extra arguments, e.g. '{\"num_cycles\": 2}'"})
+    warmup_steps: Optional[float] = field(default=None, metadata={
+        "help": "warm-up: N >= 1 steps, N < 1 a fraction of the steps (replaces --warmup_ratio)"})
+    warmup_ratio: Optional[float] = field(default=None, metadata={"help": "fraction of steps of warm-up (default 0.06)"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm"})
     pad_to_max_length: bool = field(default=False, metadata={"help": "pad every batch to max_length (not dynamic)"})
+    pad_to_multiple_of: Optional[int] = field(default=None, metadata={
+        "help": "round each batch's padded length up to a multiple of N (8: tensor cores in bf16/fp16)"})
     group_by_length: bool = field(default=False, metadata={"help": "batches of similar lengths: less padding"})
     eval_steps: Optional[int] = field(default=None, metadata={"help": "also evaluate every N optimizer steps"})
     data_parallel: bool = field(default=False, metadata={
@@ -303,7 +310,7 @@ def main(cfg: Config) -> dict:
     # With a DeepSpeed offload config, Accelerate 1.15.0 replaces it by DeepSpeed's CPU Adam, in AdamW mode because it
     # is a torch AdamW (accelerate/utils/deepspeed.py map_pytorch_optim_to_deepspeed): the same decoupled decay.
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.learning_rate)
-    scheduler = get_linear_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total_steps), total_steps)
+    scheduler = schedule.build_scheduler(cfg, optimizer, total_steps)
 
     strategy.complete_plugins(accelerator, cfg, model)  # DeepSpeed's "auto" values, FSDP's wrapped classes
     start = elastic.prepare_universal(accelerator, start)  # ZeRO on another world size: universal checkpoint

@@ -11,7 +11,7 @@ import contextlib
 import os
 from pathlib import Path
 
-from recipes import RecipeError, longrun
+from recipes import RecipeError, longrun, schedule
 from recipes.problem import PROBLEM_TYPES
 
 TRUNCATIONS = ("longest_first", "only_first", "only_second")
@@ -31,7 +31,7 @@ def flag_problems(cfg) -> list[str]:
                  "num_train_epochs", "max_length"):
         if getattr(cfg, name) < 1:
             problems.append(f"--{name} {getattr(cfg, name)} must be >= 1")
-    for name in ("max_train_steps", "max_train_samples", "max_eval_samples", "eval_steps"):
+    for name in ("max_train_steps", "max_train_samples", "max_eval_samples", "eval_steps", "pad_to_multiple_of"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             problems.append(f"--{name} {getattr(cfg, name)} must be >= 1")
     if cfg.cpu_threads < 0:
@@ -40,8 +40,7 @@ def flag_problems(cfg) -> list[str]:
         problems.append(f"--learning_rate {cfg.learning_rate} must be > 0")
     if not 0 < cfg.validation_split < 1:
         problems.append(f"--validation_split {cfg.validation_split} must be between 0 and 1")
-    if not 0 <= cfg.warmup_ratio <= 1:
-        problems.append(f"--warmup_ratio {cfg.warmup_ratio} must be between 0 and 1")
+    problems += schedule.schedule_problems(cfg)
     if cfg.weight_decay < 0 or not cfg.max_grad_norm > 0:
         problems.append("--weight_decay must be >= 0 and --max_grad_norm > 0")
     steps = cfg.checkpointing_steps
@@ -155,4 +154,10 @@ def check_model_source(cfg):
         if cfg.max_length > positions:
             raise RecipeError(f"--max_length {cfg.max_length} exceeds the {positions} positions of "
                               f"{cfg.model_name_or_path}; use --max_length {positions} or less")
+        multiple = cfg.pad_to_multiple_of or 1
+        padded = -(-cfg.max_length // multiple) * multiple  # a batch of --max_length tokens, rounded up
+        if padded > positions:
+            raise RecipeError(f"--pad_to_multiple_of {multiple} pads a batch of --max_length {cfg.max_length} tokens "
+                              f"to {padded}, beyond the {positions} positions of {cfg.model_name_or_path}; use "
+                              f"--max_length {positions // multiple * multiple} or less")
     return config

@@ -24,7 +24,8 @@ def write_predictions(cfg, accelerator, model, predict_ds, tokenizer, names: lis
     """
     loader = torch.utils.data.DataLoader(predict_ds, batch_size=cfg.per_device_eval_batch_size,
                                          sampler=data.longest_first(predict_ds, cfg),
-                                         collate_fn=data.Collator(tokenizer, cfg.max_length, cfg.pad_to_max_length))
+                                         collate_fn=data.Collator(tokenizer, cfg.max_length, cfg.pad_to_max_length,
+                                                                  cfg.pad_to_multiple_of))
     loader = accelerator.prepare(loader)
     model.eval()
     rows, logits_all, labels_all = [], [], []

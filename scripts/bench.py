@@ -515,7 +515,34 @@ def run_bench(profile: Profile, strategies=STRATEGIES, baselines=BASELINES, runs
             "duration_s": (dt.datetime.now() - started).total_seconds(), "hardware": hardware(),
             "versions": library_versions(), "memory_label": mem_label, "work": work,
             "peak_flops": {f"{prec} x{threads} threads": v for (prec, threads), v in peaks.items()},
-            "runs": [asdict(r) for r in runs], "ratios": ratios([asdict(r) for r in runs])}
+            "runs": [asdict(r) for r in runs], "ratios": ratios([asdict(r) for r in runs]),
+            "padding": {spec.name: padding_costs(spec, profile) for spec in profile.models}}
+
+
+def padding_costs(spec: ModelSpec, profile: Profile, multiple: int = 8) -> dict:
+    """Real / padded tokens over one epoch of the profile's training batches (one process), counted from the
+    recipe's own loaders without training: dynamic and length-grouped batches, padded to the longest and rounded up
+    to a multiple of `multiple` (--pad_to_multiple_of, for tensor cores)."""
+    from transformers import AutoTokenizer
+
+    from recipes import cls, data
+
+    base = ["--model_name_or_path", spec.path, "--per_device_train_batch_size", str(profile.per_device_batch),
+            "--max_train_samples", str(profile.steps * profile.per_device_batch), "--max_length", "128"]
+    tokenizer = AutoTokenizer.from_pretrained(spec.path)
+    costs = {}
+    for name, flags in (("dynamic", []), ("grouped", ["--group_by_length"])):
+        cfg = cls.parse_config(base + flags)
+        train_ds, eval_ds, _ = data.prepare_datasets(cfg, tokenizer)
+        for pad in (None, multiple):
+            cfg.pad_to_multiple_of = pad
+            loader = data.build_loaders(cfg, train_ds, eval_ds, tokenizer, world_size=1).train
+            real = padded = 0
+            for batch in loader:
+                real += int(batch["attention_mask"].sum())
+                padded += batch["attention_mask"].numel()
+            costs[name if pad is None else f"{name}_pad{pad}"] = real / padded
+    return costs
 
 
 def main(argv=None) -> None:

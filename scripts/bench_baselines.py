@@ -35,10 +35,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from accelerate.utils import set_seed
-from transformers import (Trainer, TrainerCallback, TrainingArguments,
-                          get_linear_schedule_with_warmup)
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from recipes import data, flag_checks, memstats, records, strategy
+from recipes import data, flag_checks, memstats, records, schedule, strategy
 from recipes.cls import Config, build_model, param_groups
 from scripts.bench_report import round_order
 
@@ -74,7 +73,7 @@ def hand_loop(cfg, device, train_ds, eval_ds, collate, names, precision, on_step
     model = build_model(cfg, names).to(device)
     steps = len(train_ds) // cfg.per_device_train_batch_size
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.learning_rate)
-    scheduler = get_linear_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * steps), steps)
+    scheduler = schedule.build_scheduler(cfg, optimizer, steps)
     sampler = data.EvenShardBatchSampler(len(train_ds), cfg.per_device_train_batch_size, 1, cfg.seed)
     # The recipe's own loader generator: an iterator without one draws its seed from the global RNG, and so would
     # shift the dropout stream away from the recipe's.
@@ -147,7 +146,8 @@ def hf_trainer(cfg, device, train_ds, eval_ds, collate, names, precision, on_ste
     training_args = TrainingArguments(
         output_dir=cfg.output_dir, per_device_train_batch_size=cfg.per_device_train_batch_size,
         per_device_eval_batch_size=cfg.per_device_eval_batch_size, max_steps=steps, learning_rate=cfg.learning_rate,
-        weight_decay=cfg.weight_decay, warmup_steps=int(cfg.warmup_ratio * steps), lr_scheduler_type="linear",
+        weight_decay=cfg.weight_decay, warmup_steps=schedule.warmup_steps(cfg, steps),
+        lr_scheduler_type=cfg.lr_scheduler_type, lr_scheduler_kwargs=schedule.scheduler_kwargs(cfg),
         max_grad_norm=cfg.max_grad_norm, optim="adamw_torch", seed=cfg.seed, bf16=precision == "bf16", use_cpu=device.type == "cpu", logging_strategy="steps", logging_steps=1,
         save_strategy="no", eval_strategy="no", report_to="tensorboard", disable_tqdm=True, dataloader_num_workers=0)
     clock = StepClock(on_step)
@@ -325,7 +325,7 @@ def main(argv=None) -> None:
     train_ds, eval_ds, names = data.prepare_datasets(cfg, tokenizer)
     if len(train_ds) % args.batch_size:
         sys.exit(f"error: --max_train_samples ({len(train_ds)}) must be a multiple of --batch_size")
-    collate = data.Collator(tokenizer, cfg.max_length)
+    collate = data.Collator(tokenizer, cfg.max_length, pad_to_multiple_of=cfg.pad_to_multiple_of)
     if args.kind == "alternate":
         if args.block < 1 or args.warmup_steps % args.block:
             sys.exit(f"error: --warmup_steps ({args.warmup_steps}) must be a multiple of --block ({args.block})")

@@ -236,6 +236,11 @@ def rounds_table(results: dict) -> list:
                       if r["name"] == n and r.get("padding_efficiency")] for n in names}
     lines += ["", "Padding efficiency (real / padded tokens, min-max over the rounds): " + "; ".join(
         f"{n} {min(v):.3f}-{max(v):.3f}" for n, v in efficiency.items() if v) + "."]
+    for model, costs in (results.get("padding") or {}).items():  # counted in-process, no training
+        lines += ["", f"{model}: real / padded tokens of one epoch's batches, to the longest vs rounded up to a "
+                  "multiple of 8 (--pad_to_multiple_of 8): " + "; ".join(
+                      f"{kind} {costs[kind]:.3f} -> {costs[kind + '_pad8']:.3f}" for kind in ("dynamic", "grouped")
+                      if kind in costs and kind + "_pad8" in costs) + "."]
     return lines
 
 

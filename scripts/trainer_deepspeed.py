@@ -47,7 +47,8 @@ def main(argv=None) -> dict:
     # accumulation steps. The classifier computes a plain mean, so say it takes no loss kwargs.
     model.accepts_loss_kwargs = False
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
-                      data_collator=data.Collator(tokenizer, cfg.max_length))
+                      data_collator=data.Collator(tokenizer, cfg.max_length,
+                                                  pad_to_multiple_of=cfg.pad_to_multiple_of))
     trainer.train()
     metrics = trainer.evaluate()
     trainer.save_model(str(Path(args.output_dir) / "final"))
