@@ -25,9 +25,9 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from recipes import (RecipeError, activation_checkpointing, checkpoint, data, elastic, flag_checks, launch_checks,
-                     longrun, predict, problem, records, schedule, strategy, tracking)
+                     longrun, predict, problem, records, schedule, strategy, tasks, tracking)
 from recipes.config import Config, parse_config  # the flags, each documented (recipes/config.py)
-from recipes.metrics import compute_metrics, load_metrics
+from recipes.metrics import check_scores, compute_metrics, load_metrics
 from recipes.probe import Probe
 
 
@@ -92,6 +92,15 @@ def evaluate(model, eval_dl, accelerator: Accelerator, metrics, problem_type: st
     return {**compute_metrics(metrics, predictions, references[keep]), "loss": loss, "n_examples": int(keep.sum())}
 
 
+def evaluate_all(cfg: Config, model, loaders: data.Loaders, accelerator: Accelerator, metrics) -> dict:
+    """The main validation set's scores, then each further set's (MNLI's mismatched) under its prefix."""
+    result = evaluate(model, loaders.eval, accelerator, metrics, cfg.problem_type, cfg.multi_label_threshold)
+    for prefix, loader in loaders.extra_eval:
+        scores = evaluate(model, loader, accelerator, metrics, cfg.problem_type, cfg.multi_label_threshold)
+        result.update({f"{prefix}_{name}": value for name, value in scores.items()})
+    return result
+
+
 def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, loaders: data.Loaders, metrics,
           start: checkpoint.ResumePoint, probe: Probe, run: longrun.LongRun, tokenizer) -> dict:
     out, world, accum = Path(cfg.output_dir), accelerator.num_processes, cfg.gradient_accumulation_steps
@@ -102,8 +111,7 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
     log = records.StepLog(accelerator, out / "metrics.jsonl", cfg.logging_steps, progress, on_flush=run.check_block)
 
     def evaluate_step(epoch: int) -> dict:  # the evaluation after `step`; a new best is kept as best/
-        result = {"step": step, "epoch": epoch, **evaluate(model, loaders.eval, accelerator, metrics,
-                                                            cfg.problem_type, cfg.multi_label_threshold)}
+        result = {"step": step, "epoch": epoch, **evaluate_all(cfg, model, loaders, accelerator, metrics)}
         if run.after_eval(result):
             checkpoint.save_weights(accelerator, model, tokenizer, out / "best", result)
         accelerator.log({f"eval/{k}": v for k, v in result.items() if isinstance(v, float)}, step=step)
@@ -178,8 +186,7 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
     log.flush()
     progress.close()
     if last_eval is None:  # resumed from a checkpoint of the last step, or after early stopping: nothing to train
-        last_eval = {"step": step, "epoch": start.epoch, **evaluate(model, loaders.eval, accelerator, metrics,
-                                                                    cfg.problem_type, cfg.multi_label_threshold)}
+        last_eval = {"step": step, "epoch": start.epoch, **evaluate_all(cfg, model, loaders, accelerator, metrics)}
     probe.finish(out, model, optimizer, accelerator.device)
     return last_eval
 
@@ -200,10 +207,12 @@ def main(cfg: Config) -> dict:
         try:  # raised after the context: rank 0 failing inside it would leave the others waiting at its barrier
             train_ds, eval_ds, names = data.prepare_datasets(cfg, tokenizer, with_ids=probe.wants_sample_ids)
             predict_ds = data.prepare_predict(cfg, tokenizer, names)
+            extra_eval = data.prepare_eval_sets(cfg, tokenizer)  # MNLI's mismatched set
         except RecipeError as err:
             failure = err
     if failure:
         raise failure
+    check_scores(cfg.problem_type, tasks.extra_scores(cfg), len(names))  # --metric_name fits the problem
     run = longrun.LongRun(cfg, start, out)  # checks --metric_for_best_model
     loaders = data.build_loaders(cfg, train_ds, eval_ds, tokenizer, accelerator.num_processes, resume=start,
                                  device_type=accelerator.device.type)
@@ -221,6 +230,8 @@ def main(cfg: Config) -> dict:
     start = elastic.prepare_universal(accelerator, start)  # ZeRO on another world size: universal checkpoint
     model, optimizer, loaders.train, scheduler = accelerator.prepare(model, optimizer, loaders.train, scheduler)
     loaders.eval = accelerator.prepare(loaders.eval)
+    loaders.extra_eval = [(prefix, accelerator.prepare(data.eval_loader(cfg, ds, tokenizer)))
+                          for prefix, ds in extra_eval]
 
     if accelerator.is_main_process:
         checkpoint.prepare_output_dir(out, start)
@@ -229,10 +240,11 @@ def main(cfg: Config) -> dict:
         (out / "run_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
     accelerator.init_trackers("cls", config=records.tracker_config(asdict(cfg)))
     with accelerator.main_process_first():  # rank 0 copies the metric modules into evaluate's cache first
-        metrics = load_metrics(cfg.problem_type)
+        metrics = load_metrics(cfg.problem_type, tasks.extra_scores(cfg))
 
-    accelerator.print(f"training {len(train_ds)} examples for {total_steps} steps on {accelerator.num_processes}"
-                      f" process(es), {accelerator.distributed_type.value}, precision {accelerator.mixed_precision}")
+    doing = f"training {len(train_ds)} examples for {total_steps} steps" if cfg.do_train else "evaluating"
+    accelerator.print(f"{doing} on {accelerator.num_processes} process(es), {accelerator.distributed_type.value}, "
+                      f"precision {accelerator.mixed_precision}")
     set_seed(cfg.seed, device_specific=True)  # per-rank dropout streams, identical whatever the strategy's init did
     if start.path:
         checkpoint.load_checkpoint(accelerator, optimizer, start, cfg.seed)  # model, optimizer, scheduler, RNGs
@@ -240,15 +252,22 @@ def main(cfg: Config) -> dict:
     elif cfg.resume_from_checkpoint == "auto":
         accelerator.print(f"--resume_from_checkpoint auto: no checkpoint in {out / 'checkpoints'}, starting fresh")
     probe.watch(model, accelerator)
-    result = train(cfg, accelerator, model, optimizer, scheduler, loaders, metrics, start, probe, run, tokenizer)
+    if cfg.do_train:
+        result = train(cfg, accelerator, model, optimizer, scheduler, loaders, metrics, start, probe, run, tokenizer)
+    else:  # --do_train false: the model as loaded, evaluated once (without --do_eval false) and predicted
+        result = {"step": 0, "epoch": 0, **(evaluate_all(cfg, model, loaders, accelerator, metrics) if cfg.do_eval
+                                            else {})}
+        if cfg.do_eval and accelerator.is_main_process:
+            records.append_jsonl(out / "eval.jsonl", result)
     if predict_ds is not None:
         predict.write_predictions(cfg, accelerator, model, predict_ds, tokenizer, names, out / "predictions.jsonl")
-    result = longrun.save_final(accelerator, model, tokenizer, out, result, cfg.load_best_model_at_end)
-    tracking.finish(cfg, accelerator, out, result)  # final/README.md, and the upload with --push_to_hub
+    if cfg.do_train:
+        result = longrun.save_final(accelerator, model, tokenizer, out, result, cfg.load_best_model_at_end)
+        tracking.finish(cfg, accelerator, out, result)  # final/README.md, and the upload with --push_to_hub
     accelerator.end_training()
-    scores = " ".join(f"{k} {v:.4f}" for k, v in result.items() if k in longrun.EVAL_METRICS[cfg.problem_type])
-    accelerator.print(f"eval {scores} on {result['n_examples']} examples after {result['step']} steps; "
-                      f"model in {out / 'final'}")
+    scores = " ".join(f"{k} {v:.4f}" for k, v in result.items() if k in longrun.ACCEPTED[cfg.problem_type])
+    accelerator.print(f"eval {scores} on {result.get('n_examples', 0)} examples after {result['step']} steps; "
+                      + (f"model in {out / 'final'}" if cfg.do_train else "nothing trained, nothing saved"))
     return result
 
 

@@ -27,18 +27,29 @@ class Config:
     dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Hub dataset configuration"})
     train_file: Optional[str] = field(default=None, metadata={"help": "local .csv/.json/.jsonl training file"})
     validation_file: Optional[str] = field(default=None, metadata={"help": "local validation file (same format)"})
-    task_name: Optional[str] = field(default=None, metadata={"help": "a GLUE/CLUE task (recipes/tasks.py): sets data flags"})
+    task_name: Optional[str] = field(default=None, metadata={
+        "help": "a GLUE/CLUE task (recipes/tasks.py): sets data flags"})
     text_column: str = field(default="text", metadata={"help": "column holding the text"})
     text_pair_column: Optional[str] = field(default=None, metadata={"help": "column of the second text of a pair"})
-    truncation: str = field(default="longest_first", metadata={"help": "pair truncation: longest_first|only_first|only_second"})
+    truncation: str = field(default="longest_first", metadata={
+        "help": "pair truncation: longest_first|only_first|only_second"})
     label_column: str = field(default="label", metadata={"help": "column holding the label (int, string, float, list)"})
-    problem_type: Optional[str] = field(default=None, metadata={"help": "single_label|regression|multi_label (default: inferred)"})
-    multi_label_threshold: float = field(default=0.5, metadata={"help": "multi-label: a label is predicted at p >= this"})
+    problem_type: Optional[str] = field(default=None, metadata={
+        "help": "single_label|regression|multi_label (default: inferred)"})
+    multi_label_threshold: float = field(default=0.5, metadata={
+        "help": "multi-label: a label is predicted at p >= this"})
     validation_split: float = field(default=0.1, metadata={"help": "held-out fraction when there is no validation set"})
     validation_split_name: Optional[str] = field(default=None, metadata={"help": "the dataset's validation split name"})
-    test_split_name: str = field(default="test", metadata={"help": "the dataset's test split, predicted with --do_predict"})
-    predict_file: Optional[str] = field(default=None, metadata={"help": "after training, predict these rows (same formats)"})
+    test_split_name: str = field(default="test", metadata={
+        "help": "the dataset's test split, predicted with --do_predict"})
+    predict_file: Optional[str] = field(default=None, metadata={
+        "help": "after training, predict these rows (same formats)"})
     do_predict: bool = field(default=False, metadata={"help": "after training, predict the test split"})
+    do_train: bool = field(default=True, metadata={
+        "help": "false: no training; evaluate (and predict) --model_name_or_path as it is, e.g. a run's final/"})
+    do_eval: bool = field(default=True, metadata={"help": "false (with --do_train false): predict only"})
+    metric_name: Optional[str] = field(default=None, metadata={
+        "help": "add shipped scores, comma-separated: f1 (positive class), matthews_correlation (recipes/metrics)"})
     max_length: int = field(default=128, metadata={"help": "truncate texts to this many tokens"})
     max_train_samples: Optional[int] = field(default=None, metadata={"help": "keep the first N training examples"})
     max_eval_samples: Optional[int] = field(default=None, metadata={"help": "keep the first N validation examples"})
@@ -57,7 +68,8 @@ class Config:
         "help": "JSON object of the schedule's extra arguments, e.g. '{\"num_cycles\": 2}'"})
     warmup_steps: Optional[float] = field(default=None, metadata={
         "help": "warm-up: N >= 1 steps, N < 1 a fraction of the steps (replaces --warmup_ratio)"})
-    warmup_ratio: Optional[float] = field(default=None, metadata={"help": "fraction of steps of warm-up (default 0.06)"})
+    warmup_ratio: Optional[float] = field(default=None, metadata={
+        "help": "fraction of steps of warm-up (default 0.06)"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm"})
     pad_to_max_length: bool = field(default=False, metadata={"help": "pad every batch to max_length (not dynamic)"})
     pad_to_multiple_of: Optional[int] = field(default=None, metadata={
@@ -66,7 +78,8 @@ class Config:
     eval_steps: Optional[int] = field(default=None, metadata={"help": "also evaluate every N optimizer steps"})
     data_parallel: bool = field(default=False, metadata={
         "help": "wrap in nn.DataParallel over visible GPUs (precision: ACCELERATE_MIXED_PRECISION=bf16|fp16|no)"})
-    checkpointing_steps: Optional[str] = field(default=None, metadata={"help": "save a checkpoint every N steps or 'epoch'"})
+    checkpointing_steps: Optional[str] = field(default=None, metadata={
+        "help": "save a checkpoint every N steps or 'epoch'"})
     resume_from_checkpoint: Optional[str] = field(default=None, metadata={
         "help": "checkpoint folder, 'latest', or 'auto' (latest if there is one, else a fresh start: for restarts)"})
     save_total_limit: Optional[int] = field(default=None, metadata={"help": "keep the newest N checkpoints only"})

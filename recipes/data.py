@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -265,6 +265,33 @@ def prepare_predict(cfg, tokenizer, names: list[str]):
     return tokenize_split(predict_raw, cfg, tokenizer, encode_label, "predict", keep_empty=True)
 
 
+def prepare_eval_sets(cfg, tokenizer) -> list:
+    """(prefix, tokenized set) of the validation sets a task evaluates beside the main one (MNLI's mismatched set,
+    recipes/tasks.py), checked and cut to --max_eval_samples like the main one; [] for other runs."""
+    from recipes import tasks
+
+    sets = tasks.eval_sets(cfg)
+    if not sets:
+        return []
+    raw = _load_hub(cfg.dataset_name, cfg.dataset_config_name)
+    _, encode_label = label_space(raw["train"], raw["train"], cfg)
+    prepared = []
+    for prefix, split in sets:
+        if split not in raw:
+            raise RecipeError(f"--task_name {cfg.task_name}: no validation split '{split}' (splits: {', '.join(raw)})")
+        check_columns(raw[split], cfg, split)
+        prepared.append((prefix, tokenize_split(raw[split], cfg, tokenizer, encode_label, split,
+                                                cfg.max_eval_samples).remove_columns(ROW)))
+    return prepared
+
+
+def eval_loader(cfg, ds, tokenizer):
+    """The evaluation loader of a validation set, batched and collated as build_loaders' (before prepare)."""
+    return torch.utils.data.DataLoader(ds, batch_size=cfg.per_device_eval_batch_size, collate_fn=Collator(
+        tokenizer, cfg.max_length, cfg.pad_to_max_length, cfg.pad_to_multiple_of), sampler=longest_first(ds, cfg),
+        generator=torch.Generator().manual_seed(cfg.seed))
+
+
 class Collator:
     """Pads a list of examples into a batch (to the longest, or to --max_length with --pad_to_max_length), its
     length rounded up to a multiple of --pad_to_multiple_of when given (8 keeps bf16/fp16 matmuls on tensor cores).
@@ -482,6 +509,7 @@ class Loaders:
     plan: StepPlan
     skip_epoch: Optional[int] = None  # the resumed epoch whose first micro-batches the loop skips ...
     skip_batches: int = 0  # ... and how many, per rank (accelerator.skip_first_batches)
+    extra_eval: list = field(default_factory=list)  # (prefix, loader) of further validation sets (prepare_eval_sets)
 
     def position(self, epoch: int, micro: int, end_of_epoch: bool) -> dict:
         """Where a checkpoint after micro-batch `micro` of `epoch` stands in the data (trainer_state.json)."""

@@ -58,6 +58,19 @@ def flag_problems(cfg) -> list[str]:
     for name in ("save_total_limit", "early_stopping_patience"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             problems.append(f"--{name} {getattr(cfg, name)} must be >= 1")
+    from recipes.metrics import AVAILABLE
+
+    shipped = sorted({name for names in AVAILABLE.values() for name in names})
+    unknown = [n for n in (cfg.metric_name or "").replace(",", " ").split() if n not in shipped]
+    if unknown:
+        problems.append(f"--metric_name {','.join(unknown)}: not a shipped metric ({', '.join(shipped)})")
+    if not cfg.do_train:
+        if cfg.resume_from_checkpoint:
+            problems.append("--do_train false with --resume_from_checkpoint: there is no training to resume")
+        if not cfg.do_eval and not (cfg.do_predict or cfg.predict_file):
+            problems.append("--do_train false --do_eval false: nothing to do; add --do_predict or --predict_file")
+    elif not cfg.do_eval:
+        problems.append("--do_eval false goes with --do_train false: training evaluates (best model, early stop)")
     if cfg.load_best_model_at_end and (cfg.do_predict or cfg.predict_file):
         problems.append("--load_best_model_at_end with predictions: they would come from the last step's weights, "
                         "not the best; predict in a second run from <output_dir>/final")

@@ -22,13 +22,16 @@ from pathlib import Path
 from typing import Optional
 
 from recipes import RecipeError, checkpoint, tasks
-from recipes.metrics import SCORES
+from recipes.metrics import AVAILABLE, SCORES
 
 PREEMPTED_EXIT = 3  # exit status of a worker that stopped on a signal after writing its checkpoint: resume it
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # The metrics eval.jsonl reports per problem type: the scores and the evaluation's mean loss (cls.evaluate); the
 # first one is the default --metric_for_best_model.
 EVAL_METRICS = {problem_type: (*scores, "loss") for problem_type, scores in SCORES.items()}
+# What --metric_for_best_model accepts: those, and the scores a task or --metric_name adds (a run asked to keep the
+# best model by one of these reports it: tasks.extra_scores).
+ACCEPTED = {problem_type: (*scores, "loss") for problem_type, scores in AVAILABLE.items()}
 
 requested_signal: Optional[int] = None  # the stop signal this process received (module-wide: see probe.py's wait)
 
@@ -54,7 +57,7 @@ def install_signal_handlers() -> None:
 
 def metric_problem(metric: str, problem_type: Optional[str]) -> Optional[str]:
     """Why `metric` cannot pick the best model of a `problem_type` run (None: inferred later from the data)."""
-    known = EVAL_METRICS[problem_type] if problem_type else sorted({m for ms in EVAL_METRICS.values() for m in ms})
+    known = ACCEPTED[problem_type] if problem_type else sorted({m for ms in ACCEPTED.values() for m in ms})
     if metric in known:
         return None
     what = f"the evaluation of a {problem_type} problem reports" if problem_type else "known metrics:"

@@ -23,18 +23,21 @@ class Task:
     test_split: str = "test"  # labels are -1 there: predicted with --do_predict, never scored
     label: str = "label"
     metric: Optional[str] = None  # the task's main metric, the default --metric_for_best_model (None: by problem type)
+    metrics: tuple = ()  # scores its leaderboard uses besides the problem type's (recipes/metrics)
+    eval_sets: tuple = ()  # (prefix, split) of more validation sets, each evaluated beside the main one
 
 
 GLUE, CLUE = "nyu-mll/glue", "clue/clue"
 TASKS = {
-    "cola": Task(GLUE, "cola", "sentence"),
+    # GLUE's metrics (its paper, table 1): CoLA Matthews correlation; MRPC and QQP F1 of the positive class and
+    # accuracy, their classes being unbalanced; STS-B Pearson and Spearman; MNLI accuracy on matched and mismatched.
+    "cola": Task(GLUE, "cola", "sentence", metric="matthews_correlation", metrics=("matthews_correlation",)),
     "sst2": Task(GLUE, "sst2", "sentence"),
-    # GLUE scores MRPC and QQP by F1 beside accuracy, their classes being unbalanced (our f1 is the macro F1).
-    "mrpc": Task(GLUE, "mrpc", "sentence1", "sentence2", metric="f1"),
-    "qqp": Task(GLUE, "qqp", "question1", "question2", metric="f1"),
+    "mrpc": Task(GLUE, "mrpc", "sentence1", "sentence2", metric="f1", metrics=("f1",)),
+    "qqp": Task(GLUE, "qqp", "question1", "question2", metric="f1", metrics=("f1",)),
     "stsb": Task(GLUE, "stsb", "sentence1", "sentence2", "regression"),  # similarity score 0..5
     "mnli": Task(GLUE, "mnli", "premise", "hypothesis", validation_split="validation_matched",
-                 test_split="test_matched"),
+                 test_split="test_matched", eval_sets=(("mismatched", "validation_mismatched"),)),
     "mnli_mismatched": Task(GLUE, "mnli", "premise", "hypothesis", validation_split="validation_mismatched",
                             test_split="test_mismatched"),
     "qnli": Task(GLUE, "qnli", "question", "sentence"),
@@ -77,3 +80,19 @@ def apply_task(cfg) -> None:
     cfg.problem_type = task.problem_type
     cfg.validation_split_name = cfg.validation_split_name or task.validation_split
     cfg.test_split_name = task.test_split
+
+
+def extra_scores(cfg) -> tuple:
+    """The scores a run adds to its problem type's: the task's, --metric_name's, and --metric_for_best_model's when
+    it is one of those that only some runs report."""
+    from recipes.metrics import EXTRA
+
+    task = get_task(cfg.task_name).metrics if cfg.task_name else ()
+    asked = tuple(n for n in (cfg.metric_name or "").replace(",", " ").split())
+    best = (cfg.metric_for_best_model,) if cfg.metric_for_best_model in EXTRA else ()
+    return tuple(dict.fromkeys((*task, *asked, *best)))
+
+
+def eval_sets(cfg) -> tuple:
+    """(prefix, split) of the validation sets evaluated beside the main one (MNLI's mismatched set)."""
+    return get_task(cfg.task_name).eval_sets if cfg.task_name else ()

@@ -19,7 +19,7 @@ from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 from accelerate.utils import LoggerType
 
 from recipes import RecipeError, records
-from recipes.metrics import SCORES
+from recipes.metrics import AVAILABLE
 
 # The names Accelerate 1.15.0's `log_with` takes, besides "all" (every installed tracker); "none" logs nowhere.
 TRACKERS = tuple(LOGGER_TYPE_TO_CLASS)
@@ -27,7 +27,7 @@ TRACKERS = tuple(LOGGER_TYPE_TO_CLASS)
 PACKAGES = {"mlflow": "mlflow-skinny, or pip install -e .[trackers] in this repository", "comet_ml": "comet-ml"}
 REDACTED = records.REDACTED
 # The metrics of an evaluation record (eval.jsonl also holds the best-model bookkeeping of recipes/longrun.py).
-METRICS = {*(m for scores in SCORES.values() for m in scores), "loss"}
+METRICS = {*(m for scores in AVAILABLE.values() for m in scores), "loss"}
 # The flags the model card lists as hyperparameters (the rest are in run_config.json).
 HYPERPARAMETERS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay",
                    "max_grad_norm", "per_device_train_batch_size", "per_device_eval_batch_size",
@@ -175,7 +175,7 @@ def model_card(cfg, out: Path, result: dict):
     labels = [model_config["id2label"][str(i)] for i in range(len(model_config.get("id2label", {})))]
     base = cfg.model_name_or_path
     hub_base = None if Path(base).exists() else base  # the Hub refuses a local path as base_model
-    metrics = {k: v for k, v in result.items() if k in METRICS}
+    metrics = {k: v for k, v in result.items() if k in METRICS or k.partition("_")[2] in METRICS}  # mismatched_*
     split = cfg.validation_split_name or "validation"
     tags = [t for t in ("text-classification", model_config.get("problem_type")) if t]
     data = ModelCardData(

@@ -239,7 +239,7 @@ def test_best_metric_direction_nan_and_patience(tmp_path):
     assert (run.best_step, run.best_value, run.bad_evals, run.stop_early) == (3, 0.5, 2, True)
     resumed = longrun.LongRun(Cfg(), ResumePoint(long_run=run.state()), tmp_path)
     assert (resumed.best_step, resumed.bad_evals, resumed.stop_early) == (3, 2, True)
-    with pytest.raises(RecipeError, match="reports accuracy, f1, loss"):
+    with pytest.raises(RecipeError, match="reports accuracy, f1_macro, f1, matthews_correlation, loss"):
         make_run(tmp_path, metric_for_best_model="pearson")
     assert make_run(tmp_path).metric == "accuracy" and make_run(tmp_path).greater_is_better
     for problem_type, default in (("regression", "pearson"), ("multi_label", "micro_f1")):

@@ -78,7 +78,8 @@ def test_final_model_reloads_and_reproduces_accuracy(ddp_run):
     result = cls.evaluate(model, eval_dl, accelerator, load_metrics())
     reported = read_jsonl(ddp_run / "eval.jsonl")[-1]
     assert result["n_examples"] == N_EVAL
-    assert result["accuracy"] == reported["accuracy"] and result["f1"] == pytest.approx(reported["f1"], abs=1e-12)
+    assert result["accuracy"] == reported["accuracy"]
+    assert result["f1_macro"] == pytest.approx(reported["f1_macro"], abs=1e-12)
 
 
 @no_gpu
@@ -172,8 +173,15 @@ def test_even_shard_sampler_deals_every_sample_once_and_evenly(n, batch, world, 
 
 
 def test_shipped_metrics_match_hand_computed_values():
-    metrics = load_metrics()
+    metrics = load_metrics(extra=("f1", "matthews_correlation"))
     preds, refs = [0, 1, 1, 0, 2], [0, 1, 0, 0, 2]
-    # class 0: tp 2 fp 0 fn 1 -> 0.8; class 1: tp 1 fp 1 fn 0 -> 2/3; class 2: 1.0
-    assert compute_metrics(metrics, torch.tensor(preds), torch.tensor(refs)) == \
-        pytest.approx({"accuracy": 0.8, "f1": (0.8 + 2 / 3 + 1.0) / 3})
+    # class 0: tp 2 fp 0 fn 1 -> 0.8; class 1 (the positive class of `f1`): tp 1 fp 1 fn 0 -> 2/3; class 2: 1.0
+    # Matthews: c = 4 correct of s = 5; true counts t = (3, 1, 1), predicted p = (2, 2, 1):
+    # (4 * 5 - (6 + 2 + 1)) / sqrt((25 - 9) * (25 - 11)) = 11 / sqrt(224)
+    assert compute_metrics(metrics, torch.tensor(preds), torch.tensor(refs)) == pytest.approx(
+        {"accuracy": 0.8, "f1_macro": (0.8 + 2 / 3 + 1.0) / 3, "f1": 2 / 3, "matthews_correlation": 11 / 224 ** 0.5})
+    # two classes: Matthews is (tp tn - fp fn) / sqrt((tp + fp)(tp + fn)(tn + fp)(tn + fn)); tp 2 tn 1 fp 1 fn 1
+    two = compute_metrics(metrics, torch.tensor([1, 1, 0, 1, 0]), torch.tensor([1, 1, 0, 0, 1]))
+    assert two["matthews_correlation"] == pytest.approx((2 * 1 - 1 * 1) / (3 * 3 * 2 * 2) ** 0.5)
+    assert two["f1"] == pytest.approx(2 * 2 / (2 * 2 + 1 + 1))
+    assert compute_metrics(metrics, torch.tensor([1, 1]), torch.tensor([1, 1]))["matthews_correlation"] == 0.0

@@ -62,7 +62,7 @@ def test_mlflow_holds_the_jsonl_values_step_by_step(tracked_run, monkeypatch):
 
     for key, field in (("train/loss", "loss"), ("train/lr", "lr"), ("train/grad_norm", "grad_norm")):
         assert history(key) == [(r["step"], r[field]) for r in steps], key
-    for metric in ("accuracy", "f1", "loss"):
+    for metric in ("accuracy", "f1_macro", "loss"):
         assert history(f"eval/{metric}") == [(e["step"], e[metric]) for e in evals], metric
     params = run.data.params
     assert params["hub_token"] == records.REDACTED and params["report_to"] == "tensorboard,mlflow"
@@ -79,14 +79,16 @@ def test_model_card_holds_the_last_evaluation_and_the_run(tracked_run):
     last = read_jsonl(tracked_run / "eval.jsonl")[-1]
     best = json.loads((tracked_run / "best" / "best_model.json").read_text())
     assert {r.metric_type: r.metric_value for r in card.data.eval_results} == \
-        {k: last[k] for k in ("accuracy", "f1", "loss")}
+        {k: last[k] for k in ("accuracy", "f1_macro", "loss")}
     assert {r.dataset_split for r in card.data.eval_results} == {"validation"}
     assert card.data.model_name == "tiny-cls" and card.data.base_model is None  # a local folder is no Hub id
     assert card.data.pipeline_tag == "text-classification" and card.data.library_name == "transformers"
     resolved = json.loads((tracked_run / "run_config.json").read_text())
     text = card.text
-    assert f"| last | {last['step']} | {last['epoch']} | {last['accuracy']} | {last['f1']} | {last['loss']} |" in text
-    assert f"| best | {best['step']} | {best['epoch']} | {best['accuracy']} | {best['f1']} | {best['loss']} |" in text
+    assert (f"| last | {last['step']} | {last['epoch']} | {last['accuracy']} | {last['f1_macro']} | "
+            f"{last['loss']} |") in text
+    assert (f"| best | {best['step']} | {best['epoch']} | {best['accuracy']} | {best['f1_macro']} | "
+            f"{best['loss']} |") in text
     assert "Problem type: single_label_classification; labels: 0 " in text
     assert "- strategy: MULTI_CPU; world size: 2; precision: no" in text
     assert f"- hardware: 2 x {resolved['device']}" in text and "- learning_rate: 0.001" in text

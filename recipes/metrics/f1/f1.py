@@ -1,4 +1,5 @@
-"""F1 (macro by default) as an `evaluate` metric module, shipped so `evaluate.load(path)` works offline."""
+"""F1 (macro by default; micro; binary: of the positive class) as an `evaluate` metric module, shipped so
+`evaluate.load(path)` works offline."""
 import datasets
 import evaluate
 import numpy as np
@@ -9,13 +10,14 @@ class F1(evaluate.Metric):
         return evaluate.MetricInfo(
             description="F1 per class from the confusion counts; 'macro' averages over the classes present.",
             citation="",
-            inputs_description="predictions, references: integer class ids; average: 'macro' or 'micro'",
+            inputs_description="predictions, references: integer class ids; average: 'macro', 'micro' or 'binary'",
             features=datasets.Features({"predictions": datasets.Value("int64"), "references": datasets.Value("int64")}),
         )
 
     def _compute(self, predictions, references, average="macro"):
         predictions, references = np.asarray(predictions), np.asarray(references)
-        classes = np.union1d(predictions, references)
+        # 'binary': the F1 of the positive class (id 1), what GLUE reports for MRPC and QQP
+        classes = np.array([1]) if average == "binary" else np.union1d(predictions, references)
         tp = np.array([np.sum((predictions == c) & (references == c)) for c in classes], dtype=float)
         fp = np.array([np.sum((predictions == c) & (references != c)) for c in classes], dtype=float)
         fn = np.array([np.sum((predictions != c) & (references == c)) for c in classes], dtype=float)
