@@ -185,3 +185,9 @@ def test_shipped_metrics_match_hand_computed_values():
     assert two["matthews_correlation"] == pytest.approx((2 * 1 - 1 * 1) / (3 * 3 * 2 * 2) ** 0.5)
     assert two["f1"] == pytest.approx(2 * 2 / (2 * 2 + 1 + 1))
     assert compute_metrics(metrics, torch.tensor([1, 1]), torch.tensor([1, 1]))["matthews_correlation"] == 0.0
+    # predicted and true class counts that differ: t = (2, 3, 1), p = (3, 1, 2), 3 of 6 correct: (18 - 11) / 22
+    three = compute_metrics(metrics, torch.tensor([0, 0, 0, 1, 2, 2]), torch.tensor([0, 1, 1, 1, 2, 0]))
+    assert three["matthews_correlation"] == pytest.approx(7 / 22)
+    # tp 1 fp 2 tn 1 fn 1: (1 * 1 - 2 * 1) / sqrt(3 * 2 * 3 * 2)
+    two = compute_metrics(metrics, torch.tensor([1, 1, 1, 0, 0]), torch.tensor([1, 0, 0, 0, 1]))
+    assert two["matthews_correlation"] == pytest.approx(-1 / 6) and two["f1"] == pytest.approx(2 / 5)
