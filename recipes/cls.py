@@ -276,10 +276,10 @@ if __name__ == "__main__":
         main(parse_config())
     except longrun.Preempted:  # a checkpoint of the step every rank stopped at, and checkpoints/PREEMPTED
         strategy.exit_process(longrun.PREEMPTED_EXIT)
-    except (RecipeError, RuntimeError) as err:
-        if strategy.explained(err) is None:  # not a RecipeError, nor a library error known to have a plain cause
+    except (RecipeError, RuntimeError) as caught:
+        err = strategy.explained(caught)  # a RecipeError, or a library error whose plain cause is known
+        if err is None:
             raise
-        err = strategy.explained(err)
         if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank fails alike: one line per machine
             tqdm.write(f"error: {err}", file=sys.stderr)  # on a line of its own, below a progress bar left open
         else:  # the launcher stops every rank once one has ended: local rank 0 prints first
