@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from recipes import (RecipeError, activation_checkpointing, checkpoint, data, elastic, flag_checks, launch_checks,
-                     longrun, predict, problem, records, schedule, strategy, tasks, tracking)
+                     longrun, predict, problem, profiling, records, schedule, strategy, tasks, tracking)
 from recipes.config import Config, parse_config  # the flags, each documented (recipes/config.py)
 from recipes.metrics import check_scores, compute_metrics, load_metrics
 from recipes.probe import Probe
@@ -109,6 +109,7 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
     step, skipped, last_eval, t0 = start.step, start.skipped_steps, None, time.perf_counter()
     progress = tqdm(total=plan.total_steps, initial=step, disable=not accelerator.is_local_main_process, desc="train")
     log = records.StepLog(accelerator, out / "metrics.jsonl", cfg.logging_steps, progress, on_flush=run.check_block)
+    profiler = profiling.StepProfiler(cfg.profile_steps, out / "profile", accelerator.process_index, plan.total_steps)
 
     def evaluate_step(epoch: int) -> dict:  # the evaluation after `step`; a new best is kept as best/
         result = {"step": step, "epoch": epoch, **evaluate_all(cfg, model, loaders, accelerator, metrics)}
@@ -143,6 +144,7 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
         probe.epoch(epoch, batches)
         for micro, batch in enumerate(batches, start=skip):
             probe.batch(batch)
+            profiler.batch(step)  # --profile_steps: opens a profiled step at its first micro-batch
             n_window = windows[micro // accum]
             labels = batch.pop("labels")
             with accelerator.accumulate(model):
@@ -162,6 +164,7 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
             else:
                 scheduler.step()
             step += 1  # a skipped step still consumed its window of samples
+            profiler.step(step)  # closes it before the logging, evaluation and saving that follow
             log.end_step({"step": step, "epoch": epoch, "lr": lr, "samples": n_window, "skipped_steps": skipped,
                           "elapsed": time.perf_counter() - t0}, grad_norm, run.stop_vote())
             progress.update(1)
@@ -185,6 +188,7 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
             break
     log.flush()
     progress.close()
+    profiler.finish()  # a run that stopped early, before the last profiled step
     if last_eval is None:  # resumed from a checkpoint of the last step, or after early stopping: nothing to train
         last_eval = {"step": step, "epoch": start.epoch, **evaluate_all(cfg, model, loaders, accelerator, metrics)}
     probe.finish(out, model, optimizer, accelerator.device)

@@ -96,6 +96,8 @@ class Config:
     logging_steps: int = field(default=10, metadata={"help": "read losses from the device every N steps"})
     tf32: bool = field(default=True, metadata={"help": "fp32 runs on GPUs use TF32 tensor cores for matmuls"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
+    profile_steps: Optional[str] = field(default=None, metadata={
+        "help": "A-B: record optimizer steps A..B with torch.profiler (traces in <output_dir>/profile/)"})
     cpu_threads: int = field(default=0, metadata={
         "help": "threads per process computing on CPU; 0: OMP_NUM_THREADS if above 1, else cores / local processes"})
     # Trackers, model card, Hub upload (recipes/tracking.py); names and meanings as in transformers' TrainingArguments
