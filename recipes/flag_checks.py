@@ -61,10 +61,10 @@ def flag_problems(cfg) -> list[str]:
     for name in ("save_total_limit", "early_stopping_patience"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             problems.append(f"--{name} {getattr(cfg, name)} must be >= 1")
-    from recipes.metrics import AVAILABLE
+    from recipes.metrics import AVAILABLE, asked
 
     shipped = sorted({name for names in AVAILABLE.values() for name in names})
-    unknown = [n for n in (cfg.metric_name or "").replace(",", " ").split() if n not in shipped]
+    unknown = [n for n in asked(cfg.metric_name) if n not in shipped]
     if unknown:
         problems.append(f"--metric_name {','.join(unknown)}: not a shipped metric ({', '.join(shipped)})")
     if not cfg.do_train:

@@ -27,10 +27,7 @@ CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
 def wrap_classes(model) -> tuple[list[str], str]:
     """The class names to wrap and where they came from ("_no_split_modules" or "repeated layers")."""
     present = {type(m).__name__ for m in model.modules()}
-    embedding = input_embedding(model)
-    holders = {type(m).__name__ for m in model.modules()
-               if embedding is not None and any(sub is embedding for sub in m.modules())}
-    declared = sorted(set(getattr(model, "_no_split_modules", None) or ()) & present - holders)
+    declared = sorted(set(getattr(model, "_no_split_modules", None) or ()) & present - embedding_holders(model))
     if declared:
         return declared, "_no_split_modules"
     layer = repeated_layer_class(model)
@@ -52,6 +49,15 @@ def repeated_layer_class(model) -> str | None:
         if size > best_size:
             best, best_size = type(items[0]).__name__, size
     return best
+
+
+def embedding_holders(model) -> set:
+    """Class names of the modules that hold the input embedding (it included); empty when the model does not say
+    which module that is."""
+    embedding = input_embedding(model)
+    if embedding is None:
+        return set()
+    return {type(m).__name__ for m in model.modules() if any(sub is embedding for sub in m.modules())}
 
 
 def input_embedding(model):

@@ -96,11 +96,10 @@ def wrap_class_problems(wrap: str | None, model, where: str) -> list[str]:
     names = [n.strip() for n in str(wrap).split(",") if n.strip()]
     problems += [f"FSDP wrap class '{name}' is not a module of {where} (its layer classes: {layers}); accelerate "
                  "would fail in prepare()" for name in names if name not in class_names]
-    embedding = fsdp_wrap.input_embedding(model)
-    holders = {type(m).__name__ for m in model.modules() if any(sub is embedding for sub in m.modules())}
+    holders = fsdp_wrap.embedding_holders(model)
     problems += [f"FSDP wrap class '{name}' holds the input embedding, which accelerate 1.15.0 shards as a unit of "
                  "its own after the named classes: fully_shard fails in prepare(); leave it out"
-                 for name in names if embedding is not None and name in holders]
+                 for name in names if name in holders]
     return problems
 
 

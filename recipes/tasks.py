@@ -85,12 +85,11 @@ def apply_task(cfg) -> None:
 def extra_scores(cfg) -> tuple:
     """The scores a run adds to its problem type's: the task's, --metric_name's, and --metric_for_best_model's when
     it is one of those that only some runs report."""
-    from recipes.metrics import EXTRA
+    from recipes.metrics import EXTRA, asked
 
     task = get_task(cfg.task_name).metrics if cfg.task_name else ()
-    asked = tuple(n for n in (cfg.metric_name or "").replace(",", " ").split())
     best = (cfg.metric_for_best_model,) if cfg.metric_for_best_model in EXTRA else ()
-    return tuple(dict.fromkeys((*task, *asked, *best)))
+    return tuple(dict.fromkeys((*task, *asked(cfg.metric_name), *best)))
 
 
 def eval_sets(cfg) -> tuple:

@@ -25,11 +25,12 @@ import json
 import os
 import sys
 from dataclasses import fields
-from unittest import mock
 from pathlib import Path
+from unittest import mock
 
 from recipes import launch_checks, trainer_args_checks
 from recipes.cls import Config
+from scripts import memory_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -113,12 +114,9 @@ def resolved_deepspeed_config(yaml_path: str, recipe: dict, model_path: str | No
     fill = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": clip,
             "train_batch_size": micro * accum * world,
             "zero_optimization.stage3_gather_16bit_weights_on_model_save": False}
-    hidden_keys = ["zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
-                   "zero_optimization.stage3_param_persistence_threshold"]
-    if any(plugin.is_auto(key) for key in hidden_keys):
-        # Accelerate 1.15.0 computes these inline in _prepare_deepspeed, with no function to call.
-        hidden = hidden_size(model_path)
-        fill.update(zip(hidden_keys, (hidden * hidden, int(0.9 * hidden * hidden), 10 * hidden)))
+    if any(plugin.is_auto(f"zero_optimization.{key}") for key in memory_model.auto_sizes(0)):
+        fill.update({f"zero_optimization.{key}": value
+                     for key, value in memory_model.auto_sizes(hidden_size(model_path)).items()})
     plugin.deepspeed_config_process(must_match=False, **fill)
     config = plugin.deepspeed_config
     # Accelerate 1.15.0 sets steps_per_print to float("inf") to silence DeepSpeed; json writes that as Infinity,

@@ -90,6 +90,13 @@ class Part:
     after_eval: bool = False  # not resident, but a forward-only pass leaves it allocated (ZeRO-3 gathers)
 
 
+def auto_sizes(hidden: int) -> dict:
+    """The zero_optimization sizes Accelerate 1.15.0 fills for "auto" from the model's hidden size
+    (`Accelerator._prepare_deepspeed`, computed inline there: no function of its own to call)."""
+    return {"reduce_bucket_size": hidden * hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            "stage3_param_persistence_threshold": 10 * hidden}
+
+
 def fsdp_wrapped_layers(model) -> list:
     """The classes accelerate_configs/fsdp.yaml makes FSDP units of for `model`: those it names, else the recipe's
     choice from the model (recipes/fsdp_wrap.py)."""
@@ -153,14 +160,16 @@ def predict(strategy: str, shape: ModelShape, world: int, precision: str, optimi
     ds = ds_config or load_ds_config(strategy)
     zero = ds["zero_optimization"]
 
-    def size(key: str, default: float, auto: int) -> int:
+    # without the model, Accelerate's "auto" cannot be known: assume a hidden size of 1024
+    auto = auto_sizes(shape.hidden_size or 1024)
+
+    def size(key: str, default: float) -> int:
         """A size from the JSON; "auto" as Accelerate fills it from the model's hidden size."""
         value = zero.get(key, default)
-        return auto if value == "auto" else int(float(value))
+        return auto.get(key, int(default)) if value == "auto" else int(float(value))
 
-    hidden = shape.hidden_size or 1024  # without the model, Accelerate's "auto" cannot be known: assume 1024
     opt_where = "host" if zero.get("offload_optimizer", {}).get("device", "none") != "none" else "device"
-    bucket = size("reduce_bucket_size", 5e8, hidden * hidden) * b if zero.get("contiguous_gradients", True) else 0
+    bucket = size("reduce_bucket_size", 5e8) * b if zero.get("contiguous_gradients", True) else 0
     parts = [Part("optimizer_state", "fp32 master partition", 4 * shard, opt_where),
              Part("optimizer_state", "optimizer moments of the partition", moments * shard, opt_where)]
     if zero["stage"] == 1:
@@ -188,9 +197,9 @@ def predict(strategy: str, shape: ModelShape, world: int, precision: str, optimi
         return parts + [reduce_buckets(zero, bucket)]
     if zero["stage"] != 3:
         raise ValueError(f"ZeRO stage {zero['stage']} is not modelled")
-    persistent = shape.persistent(size("stage3_param_persistence_threshold", 1e5, 10 * hidden))
+    persistent = shape.persistent(size("stage3_param_persistence_threshold", 1e5))
     param_where = "host" if zero.get("offload_param", {}).get("device", "none") != "none" else "device"
-    gathered = min(P - persistent, size("stage3_max_live_parameters", 1e9, 10**9))
+    gathered = min(P - persistent, size("stage3_max_live_parameters", 1e9))
     parts += [Part("parameters", f"persistent {precision} parameters, whole", b * persistent),
               Part("parameters", f"{precision} partitions of persistent parameters", b * math.ceil(persistent / N)),
               Part("parameters", f"{precision} partitions of the others", b * math.ceil((P - persistent) / N),

@@ -23,6 +23,11 @@ AVAILABLE = {"single_label": tuple(SINGLE_LABEL), "regression": SCORES["regressi
              "multi_label": SCORES["multi_label"]}
 
 
+def asked(metric_name) -> tuple:
+    """The score names of --metric_name (comma- or space-separated), in order."""
+    return tuple((metric_name or "").replace(",", " ").split())
+
+
 def score_names(problem_type: str, extra=()) -> tuple:
     """The scores an evaluation reports: the problem type's, then the `extra` ones it does not have yet."""
     return tuple(dict.fromkeys((*SCORES[problem_type], *extra)))
