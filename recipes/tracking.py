@@ -19,6 +19,7 @@ from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 from accelerate.utils import LoggerType
 
 from recipes import RecipeError, records
+from recipes.flag_checks import first_line
 from recipes.metrics import AVAILABLE
 
 # The names Accelerate 1.15.0's `log_with` takes, besides "all" (every installed tracker); "none" logs nowhere.
@@ -242,7 +243,3 @@ def finish(cfg, accelerator, out: Path, result: dict) -> None:
     accelerator.wait_for_everyone()
     if failure is not None:
         raise failure
-
-
-def first_line(err) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
