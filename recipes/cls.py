@@ -24,8 +24,8 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
-from recipes import (RecipeError, activation_checkpointing, checkpoint, data, elastic, flag_checks, launch_checks,
-                     longrun, predict, problem, profiling, records, schedule, strategy, tasks, tracking)
+from recipes import (RecipeError, activation_checkpointing, checkpoint, data, elastic, flag_checks, kernels,
+                     launch_checks, longrun, predict, problem, profiling, records, schedule, strategy, tasks, tracking)
 from recipes.config import Config, parse_config  # the flags, each documented (recipes/config.py)
 from recipes.metrics import check_scores, compute_metrics, load_metrics
 from recipes.probe import Probe
@@ -33,12 +33,15 @@ from recipes.probe import Probe
 
 def build_model(cfg: Config, names: list[str]):
     labels, hub = problem.hf_labels_config(cfg.problem_type, names), flag_checks.loading_kwargs(cfg)
+    attention = kernels.model_attention(cfg)  # --attn_implementation; by default transformers' (sdpa where it can)
     if cfg.random_init:
         config = AutoConfig.from_pretrained(cfg.model_name_or_path, **labels, **hub)
-        return AutoModelForSequenceClassification.from_config(config, trust_remote_code=cfg.trust_remote_code)
-    with flag_checks.mismatched_sizes_refused(cfg):
+        with kernels.attention_refused(cfg):
+            return AutoModelForSequenceClassification.from_config(config, trust_remote_code=cfg.trust_remote_code,
+                                                                  **attention)
+    with flag_checks.mismatched_sizes_refused(cfg), kernels.attention_refused(cfg):
         model = AutoModelForSequenceClassification.from_pretrained(
-            cfg.model_name_or_path, **labels, **hub, ignore_mismatched_sizes=cfg.ignore_mismatched_sizes)
+            cfg.model_name_or_path, **labels, **hub, **attention, ignore_mismatched_sizes=cfg.ignore_mismatched_sizes)
     return strategy.drop_unused_weight_renamings(model)
 
 
@@ -227,7 +230,8 @@ def main(cfg: Config) -> dict:
     model = strategy.maybe_data_parallel(model, cfg, accelerator)
     # With a DeepSpeed offload config, Accelerate 1.15.0 replaces it by DeepSpeed's CPU Adam, in AdamW mode because it
     # is a torch AdamW (accelerate/utils/deepspeed.py map_pytorch_optim_to_deepspeed): the same decoupled decay.
-    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.learning_rate)
+    optimizer = kernels.build_adamw(param_groups(model, cfg.weight_decay), cfg.learning_rate, cfg.optim,
+                                    accelerator.device)  # --optim: fused where torch has it for the device
     scheduler = schedule.build_scheduler(cfg, optimizer, total_steps)
 
     strategy.complete_plugins(accelerator, cfg, model)  # DeepSpeed's "auto" values, FSDP's wrapped classes
@@ -240,7 +244,7 @@ def main(cfg: Config) -> dict:
     if accelerator.is_main_process:
         checkpoint.prepare_output_dir(out, start)
         resolved = {**records.describe_run(cfg, accelerator, total_steps, len(train_ds), len(eval_ds)),
-                    "long_run": run.describe()}
+                    "long_run": run.describe(), "kernels": kernels.describe(accelerator.unwrap_model(model), optimizer)}
         (out / "run_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
     accelerator.init_trackers("cls", config=records.tracker_config(asdict(cfg)))
     with accelerator.main_process_first():  # rank 0 copies the metric modules into evaluate's cache first
@@ -252,6 +256,7 @@ def main(cfg: Config) -> dict:
     set_seed(cfg.seed, device_specific=True)  # per-rank dropout streams, identical whatever the strategy's init did
     if start.path:
         checkpoint.load_checkpoint(accelerator, optimizer, start, cfg.seed)  # model, optimizer, scheduler, RNGs
+        kernels.apply_after_load(optimizer, cfg.optim, accelerator.device)  # --optim, not the checkpoint's choice
         accelerator.print(f"resumed from {start.path} at step {start.step}")
     elif cfg.resume_from_checkpoint == "auto":
         accelerator.print(f"--resume_from_checkpoint auto: no checkpoint in {out / 'checkpoints'}, starting fresh")

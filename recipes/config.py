@@ -71,6 +71,10 @@ class Config:
     warmup_ratio: Optional[float] = field(default=None, metadata={
         "help": "fraction of steps of warm-up (default 0.06)"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm"})
+    optim: str = field(default="adamw_torch_fused", metadata={
+        "help": "adamw_torch_fused (torch's fused kernel where the device has one) or adamw_torch (kernels.py)"})
+    attn_implementation: Optional[str] = field(default=None, metadata={
+        "help": "eager|sdpa|flash_attention_2|flash_attention_3|flex_attention (default: transformers' choice)"})
     pad_to_max_length: bool = field(default=False, metadata={"help": "pad every batch to max_length (not dynamic)"})
     pad_to_multiple_of: Optional[int] = field(default=None, metadata={
         "help": "round each batch's padded length up to a multiple of N (8: tensor cores in bf16/fp16)"})

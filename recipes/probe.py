@@ -18,7 +18,8 @@ micro-batch; per epoch, the micro-batches its loader skipped through `accelerato
 epoch) and the loader's batch sampler; a float64 sum of each parameter as the rank holds it; rank 0: a
 fingerprint (SHA-256 of the bytes) of each weight the run started from, gathered where sharded; the FSDP2 units; the
 dtypes the first Linear computed in and the optimizer's master weights and state are kept in; the optimizer that steps
-(under Accelerate's and DeepSpeed's wrappers, which may replace the one the recipe built) and its update rule; the
+(under Accelerate's and DeepSpeed's wrappers, which may replace the one the recipe built), its update rule and
+whether it is torch's fused kernel; the
 dtypes FSDP2 accumulates gradients in between the micro-batches of a step; the memory the rank holds
 (recipes/memstats.py); and, with CLS_COMM=1, "comm": the bytes of the collectives of optimizer steps COMM_STEPS
 (recipes/commstats.py), per step and per kind of collective, and the host reads of tensor values in those steps, by
@@ -239,7 +240,8 @@ def optimizer_record(optimizer) -> dict:
         decoupled = groups[0].get("decoupled_weight_decay") if groups else isinstance(inner, torch.optim.AdamW)
     checks = [o.check_grad_overflow for o in chain if hasattr(o, "check_grad_overflow")]
     return {"chain": [type(o).__name__ for o in chain], "decoupled_weight_decay": bool(decoupled),
-            "check_grad_overflow": checks[0] if checks else None}
+            "check_grad_overflow": checks[0] if checks else None,
+            "fused": bool(getattr(inner, "defaults", {}).get("fused"))}  # torch's fused AdamW (recipes/kernels.py)
 
 
 def pending_fsdp_gradient_dtypes(model) -> set:

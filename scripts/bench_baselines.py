@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from recipes import data, flag_checks, memstats, records, schedule, strategy
+from recipes import data, flag_checks, kernels, memstats, records, schedule, strategy
 from recipes.cls import Config, build_model, param_groups
 from scripts.bench_report import round_order
 
@@ -72,7 +72,7 @@ def hand_loop(cfg, device, train_ds, eval_ds, collate, names, precision, on_step
     set_seed(cfg.seed)
     model = build_model(cfg, names).to(device)
     steps = len(train_ds) // cfg.per_device_train_batch_size
-    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.learning_rate)
+    optimizer = kernels.build_adamw(param_groups(model, cfg.weight_decay), cfg.learning_rate, cfg.optim, device)
     scheduler = schedule.build_scheduler(cfg, optimizer, steps)
     sampler = data.EvenShardBatchSampler(len(train_ds), cfg.per_device_train_batch_size, 1, cfg.seed)
     # The recipe's own loader generator: an iterator without one draws its seed from the global RNG, and so would
@@ -148,7 +148,8 @@ def hf_trainer(cfg, device, train_ds, eval_ds, collate, names, precision, on_ste
         per_device_eval_batch_size=cfg.per_device_eval_batch_size, max_steps=steps, learning_rate=cfg.learning_rate,
         weight_decay=cfg.weight_decay, warmup_steps=schedule.warmup_steps(cfg, steps),
         lr_scheduler_type=cfg.lr_scheduler_type, lr_scheduler_kwargs=schedule.scheduler_kwargs(cfg),
-        max_grad_norm=cfg.max_grad_norm, optim="adamw_torch", seed=cfg.seed, bf16=precision == "bf16", use_cpu=device.type == "cpu", logging_strategy="steps", logging_steps=1,
+        max_grad_norm=cfg.max_grad_norm, optim=cfg.optim, seed=cfg.seed, bf16=precision == "bf16",  # the recipe's AdamW
+        use_cpu=device.type == "cpu", logging_strategy="steps", logging_steps=1,
         save_strategy="no", eval_strategy="no", report_to="tensorboard", disable_tqdm=True, dataloader_num_workers=0)
     clock = StepClock(on_step)
     trainer = Trainer(model=model, args=training_args, train_dataset=train_ds, data_collator=counting_collate,

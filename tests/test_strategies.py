@@ -119,8 +119,13 @@ def test_shipped_config_trains_to_completion(request, tmp_path, config):
     assert dtypes["master_params"] == ["torch.float32"] and dtypes["optimizer_state"] == ["torch.float32"]
     # the optimizer that steps; DeepSpeed's per-step overflow check is off in the bf16 ZeRO-1/2 configs (ZeRO-3's
     # optimizer checks every step, whatever the config)
+    # torch's fused AdamW (--optim's default) steps on every strategy, ZeRO's fp32 partitions and FSDP2's DTensor
+    # shards included; the offload configs' DeepSpeed CPU Adam is a kernel of its own
     assert record["optimizer"] == {"chain": OPTIMIZER_CHAIN[config], "decoupled_weight_decay": True,
-                                   "check_grad_overflow": False if config[:5] in ("zero1", "zero2") else None}
+                                   "check_grad_overflow": False if config[:5] in ("zero1", "zero2") else None,
+                                   "fused": "offload" not in config}
+    assert resolved["kernels"] == {"optimizer": OPTIMIZER_CHAIN[config][-1], "fused": "offload" not in config,
+                                   "foreach": None, "attn_implementation": "sdpa"}
     # FSDP2 under bf16 keeps the gradients of a step's first micro-batch in fp32 until the step's reduce-scatter
     assert record["accumulated_grad_dtypes"] == (["torch.float32"] if config == "fsdp.yaml" else [])
     if config in BF16:
