@@ -1,6 +1,6 @@
 """Every strategy side by side on the same work, against the baselines users would pick instead.
 
-    make bench                 # quick: the tiny model in fp32, every strategy + baselines (11-17 min on 2 CPU cores)
+    make bench                 # quick: the tiny model in fp32, every strategy + baselines (13-19 min on 2 CPU cores)
     make bench BENCH=full      # + roberta-base and roberta-large shapes (random init) in bf16, for GPU machines
 
 Each run trains the same data, seed, number of optimizer steps and effective batch; throughput counts the steps after
@@ -8,10 +8,11 @@ a warm-up, from the recipe's metrics.jsonl (elapsed, samples, tokens). Runs go t
 results to results/<date>_<device>_<host>.{md,json,png}, and README.md's block between the bench markers.
 
 Runs per model: the recipe under each shipped strategy config (multi-process ones on every GPU, or 2 CPU processes),
-`python recipes/cls.py --data_parallel` where more than one GPU is visible, and four baselines on one process:
-a hand-written PyTorch loop and transformers.Trainer (scripts/bench_baselines.py), the recipe padding every batch to
-128 tokens (--pad_to_max_length) instead of to the longest sequence, and the recipe with length-grouped batches
-(--group_by_length); and `alternate`, the recipe, the loop and Trainer in three threads of one process, taking
+`python recipes/cls.py --data_parallel` where more than one GPU is visible, and six baselines on one process:
+a hand-written PyTorch loop and transformers.Trainer (scripts/bench_baselines.py, with the recipe's fused AdamW), the
+recipe padding every batch to 128 tokens (--pad_to_max_length) instead of to the longest sequence, the recipe with
+length-grouped batches (--group_by_length), and the recipe with torch's per-parameter AdamW (`unfused`, --optim
+adamw_torch) or eager attention (`eager_attn`) instead of its defaults (recipes/kernels.py); and `alternate`, the recipe, the loop and Trainer in three threads of one process, taking
 turns every 5 optimizer steps (scripts/bench_baselines.py alternate), the basis of the overhead ratios. A launch that
 fails is reported with its error and skipped.
 
@@ -57,11 +58,16 @@ REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 STRATEGIES = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "dataparallel")
-BASELINES = ("loop", "trainer", "pad128", "grouped", "alternate")
+BASELINES = ("loop", "trainer", "pad128", "grouped", "unfused", "eager_attn", "alternate")
+# The baselines that are the recipe on one process (accelerate_configs/single.yaml) with other flags: padding to 128,
+# length-grouped batches, torch's per-parameter AdamW instead of the fused one, eager attention instead of SDPA
+# (the last two show what recipes/kernels.py's defaults give).
+RECIPE_VARIANTS = {"pad128": ["--pad_to_max_length", "--max_length", "128"], "grouped": ["--group_by_length"],
+                   "unfused": ["--optim", "adamw_torch"], "eager_attn": ["--attn_implementation", "eager"]}
 # The one-process runs in interleaved rounds, in launch order: the pairs that the goals compare are neighbours
 # (pad128-grouped-single-loop) or one apart (single-trainer), and odd rounds run backwards (A B C, C B A, A B C, ...)
 # so that a slow drift of the machine's speed, which on a shared VM reaches 15% over a few minutes, cancels.
-COMPARED = ("pad128", "grouped", "single", "loop", "trainer")
+COMPARED = ("pad128", "grouped", "single", "loop", "trainer", "unfused", "eager_attn")
 
 
 @dataclass
@@ -188,14 +194,11 @@ def plan_command(run: Run, spec: ModelSpec, profile: Profile, run_dir: Path, run
     # (as in the hand-written loop and Trainer with logging every step); by default the recipe reads every 10 steps.
     recipe_args = [recipe, *shared, "--max_train_steps", str(profile.steps), "--record_ranks", "--logging_steps", "1",
                    "--per_device_train_batch_size", str(batch // run.world), "--cpu_threads", str(run.threads)]
-    if run.name == "pad128":
-        recipe_args += ["--pad_to_max_length", "--max_length", "128"]
-    if run.name == "grouped":
-        recipe_args += ["--group_by_length"]
+    recipe_args += RECIPE_VARIANTS.get(run.name, [])
     if run.name == "dataparallel":  # a plain python run: precision comes from the variable accelerate reads
         run.env = {"ACCELERATE_MIXED_PRECISION": "bf16" if spec.precision == "bf16" else "no"}
         return [PYTHON, *recipe_args, "--data_parallel"]
-    strategy = "single" if run.name in ("pad128", "grouped") else run.name
+    strategy = "single" if run.name in RECIPE_VARIANTS else run.name
     launch = [ACCELERATE, "launch", "--config_file", f"accelerate_configs/{strategy}.yaml",
               "--num_processes", str(run.world), "--main_process_port", str(free_port())]
     if strategy.startswith("zero"):  # the JSON holds the precision; --mixed_precision beside it is an error

@@ -82,7 +82,8 @@ def spread(values: list) -> dict:
 # for the speedups the inverse
 TIME_RATIOS = {"recipe_vs_hand_loop_time": ("single", "loop"), "trainer_vs_recipe_time": ("trainer", "single"),
                "pad128_vs_dynamic_time": ("pad128", "single"), "grouped_speedup_vs_pad128": ("pad128", "grouped"),
-               "grouped_speedup_vs_dynamic": ("single", "grouped")}
+               "grouped_speedup_vs_dynamic": ("single", "grouped"), "fused_adamw_speedup": ("unfused", "single"),
+               "sdpa_speedup_vs_eager": ("eager_attn", "single")}
 ACCURACY_RUNS = ("single", "pad128", "grouped")
 
 
@@ -175,7 +176,9 @@ RATIO_TEXT = {"recipe_vs_hand_loop_same_process": "recipe / hand-written loop, s
               "trainer_vs_recipe_time": "Trainer / recipe (accelerate launch), separate processes",
               "pad128_vs_dynamic_time": "pad-to-128 / dynamic padding",
               "grouped_speedup_vs_pad128": "grouped batches' speed-up over pad-to-128",
-              "grouped_speedup_vs_dynamic": "grouped batches' speed-up over dynamic padding"}
+              "grouped_speedup_vs_dynamic": "grouped batches' speed-up over dynamic padding",
+              "fused_adamw_speedup": "fused AdamW's speed-up over torch's per-parameter AdamW (recipe, epoch)",
+              "sdpa_speedup_vs_eager": "SDPA attention's speed-up over eager attention (recipe, epoch)"}
 
 
 def goal_text(key: str, median: float) -> str:

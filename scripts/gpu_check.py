@@ -610,8 +610,10 @@ def config_label(run: dict) -> str:
         return "python recipes/cls.py --data_parallel"
     if name in ("loop", "trainer", "alternate"):
         return f"scripts/bench_baselines.py {name}"
-    flags = {"pad128": " --pad_to_max_length", "grouped": " --group_by_length"}.get(name, "")
-    yaml = "single" if name in ("pad128", "grouped") else name
+    from scripts import bench
+
+    flags = "".join(f" {flag}" for flag in bench.RECIPE_VARIANTS.get(name, []))
+    yaml = "single" if name in bench.RECIPE_VARIANTS else name
     procs = f" --num_processes {run['world']}" if run["status"] == "ok" else ""
     return f"accelerate_configs/{yaml}.yaml{procs}{flags}"
 

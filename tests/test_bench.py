@@ -174,6 +174,20 @@ def test_grouped_ratios_and_accuracy_are_paired_by_round():
     assert "grouped - dynamic accuracy: **-0.07 points** mean" in text and "goal within 0.5: met" in text
 
 
+def test_kernel_ratios_compare_the_default_recipe_with_its_plain_kernels_by_round():
+    def run(name, round_, epoch_s):
+        return dict(bench.Run(model="tiny", name=name, kind="baseline", round=round_).__dict__, epoch_s=epoch_s,
+                    memory_ratio=None)
+
+    runs = [run("single", 0, 10.0), run("unfused", 0, 11.0), run("eager_attn", 0, 12.0),
+            run("single", 1, 8.0), run("unfused", 1, 9.6), run("eager_attn", 1, 8.8)]
+    got = bench_report.ratios(runs)["tiny"]
+    assert got["fused_adamw_speedup"] == pytest.approx({"median": 1.15, "min": 1.1, "max": 1.2, "rounds": 2})
+    assert got["sdpa_speedup_vs_eager"] == pytest.approx({"median": 1.15, "min": 1.1, "max": 1.2, "rounds": 2})
+    text = "\n".join(bench_report.ratio_lines({"ratios": {"tiny": got}}))
+    assert "fused AdamW's speed-up over torch's per-parameter AdamW (recipe, epoch): **1.150x**" in text
+
+
 def test_schedule_interleaves_the_compared_runs_then_runs_the_strategies_once():
     got = bench.schedule_runs(("single", "ddp", "zero2", "dataparallel", "loop", "grouped"), repeats=3)
     assert got == [("grouped", 0), ("single", 0), ("loop", 0), ("loop", 1), ("single", 1), ("grouped", 1),
@@ -185,7 +199,7 @@ def test_every_run_gets_the_machine_in_threads_and_grouped_gets_its_flag(tmp_pat
     monkeypatch.setattr(bench, "available_cores", lambda: 8)
     assert [bench.threads_of(w) for w in (1, 2, 3, 16)] == [8, 4, 2, 1]
     profile = bench.PROFILES["quick"]
-    for name, round_ in (("grouped", 2), ("pad128", 0), ("ddp", 0)):
+    for name, round_ in (("grouped", 2), ("pad128", 0), ("ddp", 0), ("unfused", 1), ("eager_attn", 3)):
         run = bench.Run(model="tiny", name=name, kind="baseline", round=round_, seed=42 + round_,
                         threads=bench.threads_of(bench.world_of(name, 0)))
         command = bench.plan_command(run, bench.TINY, profile, tmp_path / name, tmp_path, "recipes/cls.py", 0)
@@ -194,6 +208,8 @@ def test_every_run_gets_the_machine_in_threads_and_grouped_gets_its_flag(tmp_pat
         assert args["--config_file"] == f"accelerate_configs/{'ddp' if name == 'ddp' else 'single'}.yaml"
         assert ("--group_by_length" in command) == (name == "grouped")
         assert ("--pad_to_max_length" in command) == (name == "pad128")
+        assert args.get("--optim") == ("adamw_torch" if name == "unfused" else None)  # else the recipe's default
+        assert args.get("--attn_implementation") == ("eager" if name == "eager_attn" else None)
         assert "--max_eval_samples" not in command  # the quick profile evaluates the whole validation split
     assert bench.run_env(3, 1)["OMP_NUM_THREADS"] == "3"
     assert [bench.run_env(1, world)[bench.COMM_VARIABLE] for world in (1, 2)] == ["0", "1"]
