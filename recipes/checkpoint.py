@@ -39,6 +39,7 @@ class ResumePoint:
     skipped_steps: int = 0  # optimizer steps skipped on fp16 overflow before the checkpoint (their windows count)
     cuda_devices: Optional[list] = None  # the local CUDA device index of each saving rank; None: not recorded
     global_batch: int = 0  # samples per optimizer step of the run that wrote it
+    micro_batch: int = 0  # its --per_device_train_batch_size (--auto_micro_batch keeps it: recipes/micro_batch.py)
     long_run: Optional[dict] = None  # its best-so-far and patience count (longrun.LongRun.state)
     eval_pending: bool = False  # written on a preemption before the evaluation due at its step: run that first
 
@@ -201,7 +202,8 @@ def find_checkpoint(cfg, world_size: int) -> ResumePoint:
     return ResumePoint(step=state["step"], epoch=state["epoch"], samples_in_epoch=state["samples_in_epoch"],
                        path=path, saved_world=state["world_size"], length_group=state.get("length_group", 0),
                        skipped_steps=state.get("skipped_steps", 0), cuda_devices=state.get("cuda_devices"),
-                       global_batch=elastic.global_batch(state), long_run=state.get("long_run"),
+                       global_batch=elastic.global_batch(state), micro_batch=state["per_device_train_batch_size"],
+                       long_run=state.get("long_run"),
                        eval_pending=state.get("eval_pending", False))
 
 

@@ -25,7 +25,8 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from recipes import (RecipeError, activation_checkpointing, checkpoint, data, elastic, flag_checks, kernels,
-                     launch_checks, longrun, predict, problem, profiling, records, schedule, strategy, tasks, tracking)
+                     launch_checks, longrun, micro_batch, predict, problem, profiling, records, schedule, strategy,
+                     tasks, tracking)
 from recipes.config import Config, parse_config  # the flags, each documented (recipes/config.py)
 from recipes.metrics import check_scores, compute_metrics, load_metrics
 from recipes.probe import Probe
@@ -221,12 +222,13 @@ def main(cfg: Config) -> dict:
         raise failure
     check_scores(cfg.problem_type, tasks.extra_scores(cfg), len(names))  # --metric_name fits the problem
     run = longrun.LongRun(cfg, start, out)  # checks --metric_for_best_model
-    loaders = data.build_loaders(cfg, train_ds, eval_ds, tokenizer, accelerator.num_processes, resume=start,
-                                 device_type=accelerator.device.type)
-    total_steps = loaders.plan.total_steps
     model = build_model(cfg, names)
     launch_checks.check_launch(cfg, model)
     activation_checkpointing.apply(model, cfg.gradient_checkpointing)
+    fitted = micro_batch.fit(cfg, accelerator, model, start, probe)  # --auto_micro_batch: sets micro x accumulation
+    loaders = data.build_loaders(cfg, train_ds, eval_ds, tokenizer, accelerator.num_processes, resume=start,
+                                 device_type=accelerator.device.type)
+    total_steps = loaders.plan.total_steps
     model = strategy.maybe_data_parallel(model, cfg, accelerator)
     # With a DeepSpeed offload config, Accelerate 1.15.0 replaces it by DeepSpeed's CPU Adam, in AdamW mode because it
     # is a torch AdamW (accelerate/utils/deepspeed.py map_pytorch_optim_to_deepspeed): the same decoupled decay.
@@ -244,7 +246,8 @@ def main(cfg: Config) -> dict:
     if accelerator.is_main_process:
         checkpoint.prepare_output_dir(out, start)
         resolved = {**records.describe_run(cfg, accelerator, total_steps, len(train_ds), len(eval_ds)),
-                    "long_run": run.describe(), "kernels": kernels.describe(accelerator.unwrap_model(model), optimizer)}
+                    "long_run": run.describe(), **micro_batch.describe(fitted, accelerator),
+                    "kernels": kernels.describe(accelerator.unwrap_model(model), optimizer)}
         (out / "run_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
     accelerator.init_trackers("cls", config=records.tracker_config(asdict(cfg)))
     with accelerator.main_process_first():  # rank 0 copies the metric modules into evaluate's cache first

@@ -60,6 +60,9 @@ class Config:
     per_device_train_batch_size: int = field(default=32, metadata={"help": "micro-batch per process"})
     per_device_eval_batch_size: int = field(default=64, metadata={"help": "eval batch per process"})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    auto_micro_batch: bool = field(default=False, metadata={
+        "help": "before training, the largest micro-batch up to --per_device_train_batch_size that fits in memory, "
+                "with the accumulation raised to keep the global batch (recipes/micro_batch.py)"})
     learning_rate: float = field(default=2e-5, metadata={"help": "peak learning rate of AdamW"})
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay, on matrices (not biases, norms)"})
     lr_scheduler_type: str = field(default="linear", metadata={"help": "transformers' get_scheduler name "

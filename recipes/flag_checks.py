@@ -56,6 +56,10 @@ def flag_problems(cfg) -> list[str]:
         problems.append(f"unknown --truncation '{cfg.truncation}' (one of {', '.join(TRUNCATIONS)})")
     if not 0 < cfg.multi_label_threshold < 1:
         problems.append(f"--multi_label_threshold {cfg.multi_label_threshold} must be between 0 and 1")
+    if cfg.auto_micro_batch and (cfg.data_parallel or not cfg.do_train):
+        problems.append("--auto_micro_batch sizes the micro-batch of each process's training: not with "
+                        + ("--data_parallel (one process splits it over its GPUs)" if cfg.data_parallel
+                           else "--do_train false"))
     if cfg.group_by_length and cfg.pad_to_max_length:
         problems.append("--group_by_length saves nothing with --pad_to_max_length (every batch is --max_length long): "
                         "drop one")

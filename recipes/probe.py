@@ -6,12 +6,14 @@ restarted worker, TORCHELASTIC_RESTART_COUNT > 0, runs clean): SIGKILL that rank
 while saving checkpoint N (`save`); make its save of checkpoint N fail (`savefail`, an OSError); send it SIGTERM or
 SIGUSR1 after step N, or with N = 0 at start-up, before the data are prepared (`sigterm`, `sigusr1`); make its
 logits NaN in the forward passes of step N (`nan`); after step N, write <output_dir>/probe_waiting and wait there
-until a stop signal arrives, 60 s at most (`wait`: a test then signals the launcher at a known step). The training
-loop calls it at four points: `epoch` (the loader of each epoch), `batch` (each micro-batch), `step` (each optimizer
-step) and `finish` (after training); `save_checkpoint` calls `saved`. Inert, each call returns at once and the
-batches carry no sample ids. One more point is for the benchmark only: an in-process harness may set
-`Probe.step_hook` to a callable that `step` calls with the step number (scripts/bench_baselines.py `alternate` takes
-turns there with other training loops in the same process); it is None in every launch.
+until a stop signal arrives, 60 s at most (`wait`: a test then signals the launcher at a known step); make
+--auto_micro_batch's trial of every micro-batch above N run out of memory on that rank (`oom`, N the largest that
+fits: `trial` raises torch.OutOfMemoryError between the trial's forward and backward). The training loop calls it at
+four points: `epoch` (the loader of each epoch), `batch` (each micro-batch), `step` (each optimizer step) and
+`finish` (after training); `save_checkpoint` calls `saved`; recipes/micro_batch.py calls `trial`. Inert, each call
+returns at once and the batches carry no sample ids. One more point is for the benchmark only: an in-process harness
+may set `Probe.step_hook` to a callable that `step` calls with the step number (scripts/bench_baselines.py
+`alternate` takes turns there with other training loops in the same process); it is None in every launch.
 
 With --record_ranks each rank writes ranks/rank<i>.json: the ids of the training examples it saw, micro-batch by
 micro-batch; per epoch, the micro-batches its loader skipped through `accelerator.skip_first_batches` (a resumed
@@ -40,7 +42,7 @@ from recipes import commstats, fsdp_wrap, longrun, memstats
 from recipes.data import SAMPLE_IDS
 
 FAULT_VARIABLE = "CLS_FAULT"
-FAULTS = ("step", "save", "savefail", "sigterm", "sigusr1", "nan", "wait")
+FAULTS = ("step", "save", "savefail", "sigterm", "sigusr1", "nan", "wait", "oom")
 SIGNAL_FAULTS = {"sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1}
 # With --record_ranks, CLS_COMM=1 also counts the bytes of the collectives of steps COMM_STEPS (`make bench` sets it;
 # tests/test_comm.py too). Off otherwise: the other tests' recorded runs train with no dispatch mode in the step.
@@ -165,6 +167,15 @@ class Probe:
                 "comm_bytes_per_step": sum(clean) / len(clean) if clean else None,
                 "convention": "bytes sent per rank: all-reduce 2(n-1)/n S, all-gather / reduce-scatter / broadcast / "
                               "reduce (n-1)/n S, S the whole tensor (recipes/commstats.py)"}
+
+    def trial(self, micro_batch: int) -> None:
+        """Called by --auto_micro_batch's trial of `micro_batch` (recipes/micro_batch.py), after its forward."""
+        if self.fault is None or not self.fault.startswith("oom:"):
+            return
+        _, largest, rank = self.fault.split(":")
+        if int(rank) == self.rank and micro_batch > int(largest):
+            raise torch.OutOfMemoryError(f"CUDA out of memory: a trial micro-batch of {micro_batch} (injected by "
+                                         f"{FAULT_VARIABLE}={self.fault})")
 
     def saved(self, step: int) -> None:
         """Called by save_checkpoint after this rank wrote its part of checkpoint `step`, before it is committed."""
