@@ -127,10 +127,10 @@ def fit(cfg, accelerator, model, start, probe) -> dict | None:
     samples, sizes, length = asked_micro * asked_accum, candidates(asked_micro, asked_accum), longest_batch(cfg)
     micro, trials = kept_from_checkpoint(start, sizes, samples, world), []
     if not micro:
-        if any(hasattr(p, "ds_shape") for p in model.parameters()):
+        if any(hasattr(p, "ds_shape") or p.is_meta for p in model.parameters()):  # partitioned, or not loaded here
             raise RecipeError("--auto_micro_batch tries the whole model on each device before accelerator.prepare: "
-                              "not with ZeRO-3's zero3_init_flag, which builds it partitioned; give "
-                              "--per_device_train_batch_size yourself or set zero3_init_flag: false")
+                              "not with ZeRO-3's zero3_init_flag or FSDP's cpu_ram_efficient_loading, which leave a "
+                              "rank without it; give --per_device_train_batch_size yourself or turn them off")
         trials = agreed_trials(model, sizes, length, accelerator, probe)
         micro = min(max((s for s, ok in tried if ok), default=0) for tried in trials)
         if not micro:
