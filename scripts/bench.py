@@ -22,6 +22,25 @@ with seed 42 + r, so that a change of load on the machine hits every side alike;
 the whole machine: on CPU each process gets cores / processes threads (OMP_NUM_THREADS, and --cpu_threads for the
 recipe), recorded as `threads`.
 
+A bench that knows when it was disturbed (scripts/bench_load.py): every launch records its CPU share, the CPU
+seconds of its processes / (wall seconds x threads per process x processes), over the whole launch, and others' share,
+the machine's busy CPU (/proc/stat, steal included) less the run's own, over the machine's CPU, at its worst over any
+stretch as long as the run's timed epoch. A run is disturbed when others' share exceeds 0.10 of the machine or its CPU
+share falls below 0.85 x the best share of the same run (model and name) in this bench, the calibration: what an
+undisturbed run of that kind reaches here today (multi-process runs wait in collectives, so each kind has its own).
+A disturbed COMPARED run is launched again (same round and seed, runs/bench/<model>_<run>_r<round>_a<attempt>), at
+most 2 more times; the replaced attempts stay in the results as `repeated`, and a last attempt still disturbed is set
+aside: every time ratio leaves out the rounds where either side is set aside. The `alternate` run records its process's
+CPU and the machine's over each block of steps and leaves out the blocks the same rule marks, judged against its best
+block. The ratio lines and results name what was repeated and set aside; --rerender applies the same rule to the
+stored figures. To check it by hand, --hog SECONDS@START keeps every core busy for SECONDS from START seconds after
+the bench starts; on 2 cores, about 6 min:
+
+    python scripts/bench.py --strategies --baselines pad128 grouped loop trainer --hog 60@30 \
+        --results_dir runs/hog --readme runs/hog/README.md
+
+The headline ratios should stay within 5% of an idle run's, and the report name the runs it repeated and set aside.
+
 Model-state bytes per rank are measured by recipes/memstats.py after training and compared
 with scripts/memory_model.py's prediction for the same strategy, world size and precision; so are the bytes each
 rank sends per optimizer step (recipes/commstats.py, counted by the probe in steps 3-6, against memory_model's
@@ -35,11 +54,13 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -49,7 +70,7 @@ from recipes.launch_checks import visible_gpus
 from recipes.probe import COMM_VARIABLE
 from recipes.records import library_versions, read_jsonl
 from recipes.strategy import available_cores
-from scripts import memory_model
+from scripts import bench_load, memory_model
 from scripts.bench_report import (MIB, epoch_figures, mib, ratio_lines, ratios, rerender, round_order, throughput,
                                   update_readme, write_results)
 
@@ -110,6 +131,7 @@ class Run:
     status: str = "ok"  # ok, failed, skipped, timeout
     reason: str = ""
     round: int = 0  # interleaved round of a COMPARED run (seed 42 + round); every other run: round 0
+    attempt: int = 0  # launch of this run and round: 0, then 1.. for the repeats of a disturbed COMPARED run
     seed: int = 42
     world: int = 1
     precision: str = "fp32"
@@ -143,6 +165,10 @@ class Run:
     mfu: Optional[float] = None  # model FLOP/s over the device's peak (GPU table, or the CPU's measured matmul peak)
     env: dict = field(default_factory=dict)  # variables this run adds to the shared environment
     alternate: list = field(default_factory=list)  # `alternate`: per block of steps, seconds of recipe, loop, Trainer
+    cpu_s: Optional[float] = None  # CPU seconds of the launch's processes (scripts/bench_load.py)
+    cpu_share: Optional[float] = None  # cpu_s / (wall_s x threads x world)
+    others_share: Optional[float] = None  # others' CPU / the machine's over the launch
+    others_peak: Optional[float] = None  # the same at its worst over a stretch as long as the timed epoch
 
 
 def free_port() -> int:
@@ -246,14 +272,17 @@ def plan(profile: Profile, n_gpus: int, names=(*STRATEGIES, *BASELINES)) -> list
     return rows
 
 
-def execute(run: Run, command: list, run_dir: Path, profile: Profile, env: dict) -> None:
-    """Run one command in its own process group, log to run_dir/launch.log, set status, reason and wall time."""
+def execute(run: Run, command: list, run_dir: Path, profile: Profile, env: dict) -> list:
+    """Run one command in its own process group, log to run_dir/launch.log, set status, reason, wall time and CPU
+    seconds; returns the samples of its CPU and the machine's (bench_load.LaunchMeter)."""
     run.command = command
     log_path = run_dir / "launch.log"
+    meter = bench_load.LaunchMeter()
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
+        meter.start(proc.pid)
         try:
             proc.wait(timeout=profile.run_timeout)
         except subprocess.TimeoutExpired:
@@ -261,8 +290,18 @@ def execute(run: Run, command: list, run_dir: Path, profile: Profile, env: dict)
             proc.wait()
             run.status, run.reason = "timeout", f"killed after {profile.run_timeout} s"
     run.wall_s = time.perf_counter() - start
+    run.cpu_s = meter.stop()
     if run.status == "ok" and proc.returncode != 0:
         run.status, run.reason = "failed", failure_reason(log_path.read_text(errors="replace"))
+    return meter.samples
+
+
+def record_load(run: Run, samples: list) -> None:
+    """The run's CPU share and others' beside it (module docstring), once its epoch time is known."""
+    if run.cpu_s is not None and run.wall_s:
+        run.cpu_share = run.cpu_s / (run.wall_s * max(1, run.threads) * run.world)
+    run.others_share = bench_load.others_share(samples)
+    run.others_peak = bench_load.others_share(samples, run.epoch_s)
 
 
 # The multi-machine configs launch these strategies across machines (scripts/gpu_check.py runs them).
@@ -415,7 +454,7 @@ def format_row(run: Run, mem_label: str) -> str:
         return format(value, fmt) if value is not None else "-"
 
     peak = run.cuda_max_allocated if mem_label == "CUDA max alloc" else run.peak_rss
-    name = run.name + (f"#{run.round}" if run.round else "")
+    name = run.name + (f"#{run.round}" if run.round else "") + (f"/a{run.attempt}" if run.attempt else "")
     if run.status != "ok":
         return f"{run.model:<14}{name:<15}{run.status}: {run.reason}"
     return (f"{run.model:<14}{name:<15}{run.world:>3}{run.precision:>6}{num(run.samples_per_s, '10.1f')}"
@@ -455,12 +494,13 @@ def progress(line: str) -> None:
 
 
 def run_one(spec: ModelSpec, name: str, round_: int, profile: Profile, runs_dir: Path, recipe: str, n_gpus: int,
-            shape: memory_model.ModelShape, peaks: dict) -> Run:
+            shape: memory_model.ModelShape, peaks: dict, attempt: int = 0) -> Run:
     """One run of the schedule: planned, launched in an empty run folder, measured; MFU against the peak of every
     device it computed on (`peaks`, a cache of device_peak_flops by precision and threads, filled here)."""
     run = Run(model=spec.name, name=name, kind="baseline" if name in BASELINES else "strategy", round=round_,
-              seed=42 + round_)
-    run_dir = runs_dir / (f"{spec.name}_{name}" + (f"_r{round_}" if round_ else ""))
+              seed=42 + round_, attempt=attempt)
+    run_dir = runs_dir / (f"{spec.name}_{name}" + (f"_r{round_}" if round_ else "")
+                          + (f"_a{attempt}" if attempt else ""))
     run.run_dir = str(run_dir.relative_to(REPO) if run_dir.is_relative_to(REPO) else run_dir)
     run.reason = skip_reason(run, n_gpus)
     if run.reason:
@@ -471,9 +511,10 @@ def run_one(spec: ModelSpec, name: str, round_: int, profile: Profile, runs_dir:
     run.threads = threads_of(world_of(name, n_gpus, profile.max_world))
     command = plan_command(run, spec, profile, run_dir, runs_dir, recipe, n_gpus)
     run.effective_batch = effective_batch(name, n_gpus, profile)
-    execute(run, command, run_dir, profile, {**run_env(run.threads, run.world), **run.env})
+    samples = execute(run, command, run_dir, profile, {**run_env(run.threads, run.world), **run.env})
     if run.status == "ok":
         collect(run, run_dir, profile, shape)
+    record_load(run, samples)
     if run.status == "ok" and run.tokens_per_s:
         key = (run.precision, run.threads)
         if key not in peaks:
@@ -501,13 +542,15 @@ def run_bench(profile: Profile, strategies=STRATEGIES, baselines=BASELINES, runs
     log("      " + header(mem_label))
     runs = []
     peaks = {}
-    for spec in profile.models:
+    for m, spec in enumerate(profile.models):
         shape = memory_model.shape_from_model(str(REPO / spec.path) if (REPO / spec.path).exists() else spec.path)
-        for name, round_ in schedule:
-            run = run_one(spec, name, round_, profile, runs_dir, recipe, n_gpus, shape, peaks)
-            runs.append(run)
-            log(f"{len(runs):>2}/{len(schedule) * len(profile.models):<3}" + format_row(run, mem_label))
-    runs.sort(key=lambda r: ([spec.name for spec in profile.models].index(r.model), r.round, names.index(r.name)))
+        for i, (name, round_) in enumerate(schedule, m * len(schedule)):
+            for run in run_undisturbed(spec, name, round_, profile, runs_dir, recipe, n_gpus, shape, peaks, runs,
+                                       log):
+                runs.append(run)
+                log(f"{i + 1:>2}/{len(schedule) * len(profile.models):<3}" + format_row(run, mem_label))
+    runs.sort(key=lambda r: ([spec.name for spec in profile.models].index(r.model), r.round, names.index(r.name),
+                             r.attempt))
     work = {spec.name: {"model": spec.path, "random_init": spec.random_init, "precision": spec.precision,
                         "learning_rate": spec.learning_rate, "steps": profile.steps,
                         "warmup_steps": profile.warmup_steps, "per_device_batch": profile.per_device_batch,
@@ -520,6 +563,38 @@ def run_bench(profile: Profile, strategies=STRATEGIES, baselines=BASELINES, runs
             "peak_flops": {f"{prec} x{threads} threads": v for (prec, threads), v in peaks.items()},
             "runs": [asdict(r) for r in runs], "ratios": ratios([asdict(r) for r in runs]),
             "padding": {spec.name: padding_costs(spec, profile) for spec in profile.models}}
+
+
+def run_undisturbed(spec: ModelSpec, name: str, round_: int, profile: Profile, runs_dir: Path, recipe: str,
+                    n_gpus: int, shape: memory_model.ModelShape, peaks: dict, done: list, log=progress):
+    """One run of the schedule, and for a COMPARED run that the rule calls disturbed (bench_load.disturbance, against
+    the runs `done` so far) up to bench_load.MAX_REPEATS launches more of the same run and round; yields each."""
+    for attempt in range(bench_load.MAX_REPEATS + 1):
+        run = run_one(spec, name, round_, profile, runs_dir, recipe, n_gpus, shape, peaks, attempt)
+        yield run
+        why = bench_load.disturbance(asdict(run), [asdict(r) for r in done])
+        if name not in COMPARED or not why:
+            return
+        log(f"      {bench_load.label(asdict(run))} disturbed ({why})"
+            + (": again" if attempt < bench_load.MAX_REPEATS else ": set aside"))
+
+
+def start_hog(seconds: float, start: float, log=progress) -> threading.Timer:
+    """--hog: one busy loop per core from `start` seconds on for `seconds`, beside the bench (a check of the
+    disturbance rule by hand); returns the timer, so that the bench can cancel one not yet fired."""
+    loop = f"import time; end = time.time() + {seconds}\nwhile time.time() < end: pass"
+
+    def hog():
+        log(f"      hog: {os.cpu_count()} busy loops for {seconds:.0f} s")
+        # started by a shell that returns at once: not this process's children, so their CPU never joins a run's
+        # (getrusage counts the children this process reaps)
+        one = f"{shlex.quote(PYTHON)} -c {shlex.quote(loop)} &"
+        subprocess.run(["sh", "-c", " ".join([one] * (os.cpu_count() or 1))], check=True)
+
+    timer = threading.Timer(start, hog)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def padding_costs(spec: ModelSpec, profile: Profile, multiple: int = 8) -> dict:
@@ -561,6 +636,8 @@ def main(argv=None) -> None:
     parser.add_argument("--runs_dir", default=str(REPO / "runs" / "bench"))
     parser.add_argument("--results_dir", default=str(REPO / "results"))
     parser.add_argument("--readme", default=str(REPO / "README.md"))
+    parser.add_argument("--hog", metavar="SECONDS@START", help="keep every core busy for SECONDS from START seconds "
+                        "after the start, beside the bench: a check that it sets the disturbed runs aside")
     parser.add_argument("--rerender", metavar="RESULTS_JSON",
                         help="recompute throughput and ratios of a results file from its runs' records, rewrite it")
     args = parser.parse_args(argv)
@@ -573,7 +650,12 @@ def main(argv=None) -> None:
         if args.precision:
             for spec in profile.models:
                 spec.precision = args.precision
+        if args.hog:
+            seconds, start = (float(v) for v in args.hog.split("@"))
+            hog = start_hog(seconds, start)
         results = run_bench(profile, args.strategies, args.baselines, Path(args.runs_dir).resolve(), args.recipe)
+        if args.hog:
+            hog.cancel()
         results["command"] = "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     paths = write_results(results, Path(args.results_dir))
     print("\n".join(["", *ratio_lines(results), ""]))

@@ -39,6 +39,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from recipes import data, flag_checks, kernels, memstats, records, schedule, strategy
 from recipes.cls import Config, build_model, param_groups
+from scripts import bench_load
 from scripts.bench_report import round_order
 
 
@@ -173,6 +174,8 @@ class Baton:
     measured from the end of the previous step, or from the moment the loop got its turn, so waiting is never
     counted; block c of every loop covers the same steps (c * block + 1 ...), so loops compare block by block on
     the same batches at nearly the same moment, and a machine whose speed drifts over seconds slows both alike.
+    Over the same stretches it counts the process's CPU seconds and the machine's (scripts/bench_load.py), from which
+    the bench tells a block that other work disturbed.
     """
 
     def __init__(self, names: list, block: int, warmup: int, timeout: float = 900.0):
@@ -182,12 +185,18 @@ class Baton:
         self.cond = threading.Condition()
         self.since: dict = {}
         self.seconds: dict = {name: {} for name in names}  # name -> {step: seconds}
+        self.cpu: dict = {name: {} for name in names}  # name -> {step: (process CPU, machine busy, machine) seconds}
 
     def wait_turn(self, name: str) -> None:
         with self.cond:
             if not self.cond.wait_for(lambda: self.holder == name, timeout=self.timeout):
                 raise RuntimeError(f"alternate: {name} waited {self.timeout:.0f} s for its turn")
-        self.since[name] = time.perf_counter()
+        self.since[name] = self.clocks()
+
+    @staticmethod
+    def clocks() -> tuple:
+        """Wall, process CPU, machine busy and machine CPU seconds (the last two 0 without /proc/stat)."""
+        return time.perf_counter(), time.process_time(), *(bench_load.machine_cpu() or (0.0, 0.0))
 
     def hand_over(self, name: str, leaving: bool = False) -> None:
         with self.cond:
@@ -203,9 +212,10 @@ class Baton:
             self.cond.notify_all()
 
     def step(self, name: str, step: int) -> None:
-        now = time.perf_counter()
+        now = self.clocks()
         if step > self.warmup:
-            self.seconds[name][step] = now - self.since[name]
+            self.seconds[name][step] = now[0] - self.since[name][0]
+            self.cpu[name][step] = tuple(b - a for a, b in zip(self.since[name][1:], now[1:]))
         self.since[name] = now
         if step % self.block == 0:
             self.hand_over(name)
@@ -221,14 +231,17 @@ class Baton:
 
     def blocks(self, last_step: int) -> list:
         """Per block of steps: the seconds of each loop over the same steps (the warm-up and the last step, which
-        holds the recipe's evaluation, left out)."""
+        holds the recipe's evaluation, left out), and over all of them wall_s, the process's cpu_s, and the machine's
+        busy and whole CPU seconds."""
         out = []
         first = self.warmup + 1
         while first < last_step:
             steps = range(first, min(first + self.block, last_step))
             if all(s in self.seconds[n] for n in self.names for s in steps):
-                out.append({"steps": [steps[0], steps[-1]],
-                            **{n: sum(self.seconds[n][s] for s in steps) for n in self.names}})
+                seconds = {n: sum(self.seconds[n][s] for s in steps) for n in self.names}
+                cpu, busy, machine = (sum(self.cpu[n][s][i] for n in self.names for s in steps) for i in range(3))
+                out.append({"steps": [steps[0], steps[-1]], **seconds, "wall_s": sum(seconds.values()), "cpu_s": cpu,
+                            "machine_busy_s": busy, "machine_s": machine})
             first += self.block
         return out
 

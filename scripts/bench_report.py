@@ -14,6 +14,7 @@ import statistics
 from pathlib import Path
 
 from recipes.records import read_jsonl
+from scripts import bench_load
 
 REPO = Path(__file__).resolve().parent.parent
 README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
@@ -74,8 +75,14 @@ def round_order(items: list, r: int) -> list:
     return items[::-1] if r % 2 else items
 
 
-def spread(values: list) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": len(values)}
+def spread(values: list, set_aside=(), kept=None) -> dict:
+    """Median and min-max of `values`; `set_aside`, where given, names the rounds (or blocks) left out of them, `kept`
+    says which values count (all by default). Where every one was set aside, the figures are of all of them, marked
+    `all_disturbed`: a number with a warning says more than none."""
+    kept = [v for v, k in zip(values, kept or [True] * len(values)) if k] or None
+    out = {"median": statistics.median(kept or values), "min": min(kept or values), "max": max(kept or values),
+           "rounds": len(kept or values)}
+    return {**out, "set_aside": list(set_aside), **({} if kept else {"all_disturbed": True})} if set_aside else out
 
 
 # ratio name: (numerator run, denominator run), on epoch seconds: a time ratio (>1: the numerator is slower), or
@@ -89,20 +96,23 @@ ACCURACY_RUNS = ("single", "pad128", "grouped")
 
 def ratios(runs: list) -> dict:
     """Per model: each ratio of TIME_RATIOS within each interleaved round (same seed, same samples), as median and
-    min-max over the rounds; accuracy of the padding variants per round; the memory and communication ratios of
-    round 0. `runs` are the results' run dicts."""
+    min-max over the rounds, leaving out the rounds where either side was disturbed (bench_load.screen); accuracy of
+    the padding variants per round; the memory and communication ratios of round 0. `runs` are the results' run
+    dicts."""
     out = {}
     for model in dict.fromkeys(r["model"] for r in runs):
-        ok = [r for r in runs if r["model"] == model and r["status"] == "ok"]
+        screened = bench_load.screen([r for r in runs if r["model"] == model and r["status"] == "ok"])
+        ok, disturbed = screened["kept"], {id(r) for r, _ in screened["disturbed"]}
         by_round = {}
         for r in ok:
             by_round.setdefault(r.get("round", 0), {})[r["name"]] = r
         entry = {}
         for key, (a, b) in TIME_RATIOS.items():
-            values = [rnd[a]["epoch_s"] / rnd[b]["epoch_s"] for rnd in by_round.values()
-                      if a in rnd and b in rnd and rnd[a].get("epoch_s") and rnd[b].get("epoch_s")]
-            if values:
-                entry[key] = spread(values)
+            pairs = [(n, rnd[a]["epoch_s"] / rnd[b]["epoch_s"]) for n, rnd in by_round.items()
+                     if a in rnd and b in rnd and rnd[a].get("epoch_s") and rnd[b].get("epoch_s")]
+            aside = [n for n, _ in pairs if {id(by_round[n][a]), id(by_round[n][b])} & disturbed]
+            if pairs:
+                entry[key] = spread([v for _, v in pairs], aside, [n not in aside for n, _ in pairs])
         accuracy = {name: [rnd[name]["accuracy"] for _, rnd in sorted(by_round.items()) if name in rnd]
                     for name in ACCURACY_RUNS}
         entry["accuracy"] = {name: acc for name, acc in accuracy.items() if acc and None not in acc}
@@ -111,15 +121,35 @@ def ratios(runs: list) -> dict:
         if paired:
             entry["grouped_minus_dynamic_accuracy_points"] = spread([100 * d for d in paired])
             entry["grouped_minus_dynamic_accuracy_points"]["mean"] = 100 * statistics.mean(paired)
-        same = next((r["alternate"] for r in ok if r["name"] == "alternate" and r.get("alternate")), None)
-        if same:
-            entry["recipe_vs_hand_loop_same_process"] = spread([e["recipe"] / e["loop"] for e in same])
-            entry["trainer_vs_recipe_same_process"] = spread([e["trainer"] / e["recipe"] for e in same])
+        alternate = next((r for r in ok if r["name"] == "alternate" and r.get("alternate")), None)
+        if alternate:
+            blocks = alternate["alternate"]
+            _, aside = bench_load.screen_blocks(blocks, alternate.get("threads") or 1)
+            named = [f"{b.get('round', 0)}:{b['steps'][0]}-{b['steps'][1]}" for b, _ in aside]
+            kept = [all(b is not a for a, _ in aside) for b in blocks]
+            entry["recipe_vs_hand_loop_same_process"] = spread([e["recipe"] / e["loop"] for e in blocks], named, kept)
+            entry["trainer_vs_recipe_same_process"] = spread([e["trainer"] / e["recipe"] for e in blocks], named, kept)
+        entry["disturbed"] = disturbance_summary(screened, alternate)
         first = by_round.get(0, {}).values()
         entry["memory_measured_vs_predicted"] = {r["name"]: r["memory_ratio"] for r in first if r["memory_ratio"]}
         entry["comm_measured_vs_predicted"] = {r["name"]: r["comm_ratio"] for r in first if r.get("comm_ratio")}
         out[model] = entry
     return out
+
+
+def disturbance_summary(screened: dict, alternate=None) -> dict:
+    """What the rule set aside (bench_load): runs replaced by a repeat, runs still disturbed, and `alternate` blocks,
+    each with why."""
+    summary = {"measured": any(r.get("cpu_share") is not None for r in screened["kept"]),
+               "repeated": [f"{bench_load.label(r)}: {why}" for r, why in screened["repeated"]],
+               "set_aside": [f"{bench_load.label(r)}: {why}" for r, why in screened["disturbed"]]}
+    if alternate:
+        blocks = alternate["alternate"]
+        _, aside = bench_load.screen_blocks(blocks, alternate.get("threads") or 1)
+        summary["blocks"] = len(blocks)
+        summary["blocks_set_aside"] = [f"round {b.get('round', 0)} steps {b['steps'][0]}-{b['steps'][1]}: {why}"
+                                       for b, why in aside]
+    return summary
 
 
 def slug(text: str) -> str:
@@ -135,8 +165,13 @@ def fmt(value, spec: str) -> str:
 
 
 def first_round(runs: list) -> list:
-    """Every run of round 0: one per strategy and baseline, all on seed 42."""
-    return [r for r in runs if r.get("round", 0) == 0]
+    """Every run of round 0: one per strategy and baseline, all on seed 42 (the last attempt of a repeated one)."""
+    return [r for r in latest(runs) if r.get("round", 0) == 0]
+
+
+def latest(runs: list) -> list:
+    """The runs less the attempts that a repeat replaced."""
+    return bench_load.screen(runs)["kept"]
 
 
 def markdown_table(results: dict) -> str:
@@ -199,8 +234,11 @@ def ratio_lines(results: dict) -> list:
                 continue
             where = "blocks of steps taken in turn in one process" if key.endswith("same_process") \
                 else "interleaved rounds"
+            aside = r.get("set_aside") or []
+            left_out = (f", {len(aside)} set aside as disturbed: " + ", ".join(map(str, aside))) if aside else ""
+            left_out = "; every one disturbed, so all kept: not to be trusted" if r.get("all_disturbed") else left_out
             lines.append(f"- {model}, {text}: **{r['median']:.3f}x** (min {r['min']:.3f}, max {r['max']:.3f}; "
-                         f"{r['rounds']} {where})"
+                         f"{r['rounds']} {where}{left_out})"
                          f"{goal_text(key, r['median'])}")
         acc = entry.get("accuracy") or {}
         if acc:
@@ -212,29 +250,52 @@ def ratio_lines(results: dict) -> list:
             lines.append(f"- {model}, grouped - dynamic accuracy: **{diff['mean']:+.2f} points** mean (min "
                          f"{diff['min']:+.2f}, max {diff['max']:+.2f}; goal within {ACCURACY_POINTS}: "
                          f"{'met' if within else 'NOT met'})")
+        lines += disturbance_lines(model, entry.get("disturbed"))
     return lines
+
+
+def disturbance_lines(model: str, summary) -> list:
+    """The runs and blocks the disturbance rule repeated or set aside (bench_load), or that none were."""
+    if not summary:
+        return []
+    rule = (f"CPU share < {bench_load.SHARE_FLOOR} x the best of the same run, or others' CPU > "
+            f"{bench_load.OTHERS_CEILING} of the machine")
+    lines = []
+    for key, text in (("repeated", "launched again"), ("set_aside", "still disturbed, out of the time ratios")):
+        if summary.get(key):
+            lines.append(f"- {model}, disturbed runs {text} ({len(summary[key])}): " + "; ".join(summary[key]))
+    if summary.get("blocks_set_aside"):
+        lines.append(f"- {model}, disturbed same-process blocks, out of the ratios: "
+                     f"{len(summary['blocks_set_aside'])} of {summary['blocks']}: "
+                     + "; ".join(summary["blocks_set_aside"]))
+    if not lines and summary.get("measured"):
+        lines.append(f"- {model}, disturbed runs: none")
+    return [*lines[:-1], f"{lines[-1]} (disturbed: {rule})"] if lines else []
 
 
 def rounds_table(results: dict) -> list:
     """The interleaved runs round by round: seconds of the same samples, padding efficiency and accuracy."""
-    repeated = [r for r in results["runs"] if r["status"] == "ok" and r.get("round", 0) > 0]
+    screened = bench_load.screen(results["runs"])
+    kept, disturbed = screened["kept"], {id(r) for r, _ in screened["disturbed"]}
+    repeated = [r for r in kept if r["status"] == "ok" and r.get("round", 0) > 0]
     if not repeated:
         return []
     names = list(dict.fromkeys(r["name"] for r in repeated))
     lines = ["## Interleaved rounds", "",
              "The one-process runs, launched in rounds (A B C D E, then E D C B A, ...), round r with seed 42 + r "
-             "(its own split, initialisation and order; within a round every run trains the same samples): seconds of the whole "
-             "epoch, padding efficiency (real / padded tokens) and accuracy. The ratios above are taken within each "
-             "round.", "", "| model | round | seed | " + " | ".join(f"{n} s" for n in names) + " | "
-             + " | ".join(f"{n} acc" for n in names) + " | threads |",
-             "|---|--:|--:|" + "--:|" * (2 * len(names)) + "--:|"]
-    for r0 in [r for r in results["runs"] if r["name"] == names[0]]:
-        rnd = {r["name"]: r for r in results["runs"]
-               if r["model"] == r0["model"] and r.get("round", 0) == r0.get("round", 0)}
+             "(its own split, initialisation and order; within a round every run trains the same samples): seconds "
+             "of the whole epoch, padding efficiency (real / padded tokens) and accuracy. The ratios above are "
+             "taken within each round, less the runs set aside as disturbed (last column).", "",
+             "| model | round | seed | " + " | ".join(f"{n} s" for n in names) + " | "
+             + " | ".join(f"{n} acc" for n in names) + " | threads | set aside |",
+             "|---|--:|--:|" + "--:|" * (2 * len(names)) + "--:|---|"]
+    for r0 in [r for r in kept if r["name"] == names[0]]:
+        rnd = {r["name"]: r for r in kept if r["model"] == r0["model"] and r.get("round", 0) == r0.get("round", 0)}
         cells = [fmt(rnd.get(n, {}).get("epoch_s"), ".2f") for n in names]
         cells += [fmt(rnd.get(n, {}).get("accuracy"), ".3f") for n in names]
+        aside = ", ".join(n for n in names if id(rnd.get(n)) in disturbed) or "-"
         lines.append(f"| {r0['model']} | {r0.get('round', 0)} | {r0.get('seed', 42)} | " + " | ".join(cells)
-                     + f" | {r0.get('threads')} |")
+                     + f" | {r0.get('threads')} | {aside} |")
     efficiency = {n: [r["padding_efficiency"] for r in results["runs"]
                       if r["name"] == n and r.get("padding_efficiency")] for n in names}
     lines += ["", "Padding efficiency (real / padded tokens, min-max over the rounds): " + "; ".join(

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from scripts import bench, bench_report
+from scripts import bench, bench_load, bench_report
 from scripts import memory_model as mm
 
 P, N = 1_000_000, 4
@@ -307,6 +307,8 @@ def test_baton_takes_turns_in_rotating_order_and_times_no_waiting(monkeypatch):
 
     clock = {"now": 0.0}
     monkeypatch.setattr(bench_baselines.time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(bench_baselines.time, "process_time", lambda: clock["now"])  # one thread, always computing
+    monkeypatch.setattr(bench_baselines.bench_load, "machine_cpu", lambda: (clock["now"], 2 * clock["now"]))
     cost, steps = {"a": 1.0, "b": 10.0, "c": 100.0}, {"a": 9, "b": 9, "c": 5}
     baton = bench_baselines.Baton(["a", "b", "c"], block=2, warmup=2, timeout=30)
     turns, running = [], []
@@ -333,7 +335,9 @@ def test_baton_takes_turns_in_rotating_order_and_times_no_waiting(monkeypatch):
         "a": list(range(3, 10)), "b": list(range(3, 10)), "c": [3, 4, 5]}
     assert all(v == cost[n] for n, s in baton.seconds.items() for v in s.values())
     # blocks every loop finished, last step (the recipe's evaluation) left out: steps 3-4 only (c stops at 5)
-    assert baton.blocks(last_step=5) == [{"steps": [3, 4], "a": 2.0, "b": 20.0, "c": 200.0}]
+    # and the process's CPU over the same stretches, beside the machine's (2 cores, only this process busy)
+    assert baton.blocks(last_step=5) == [{"steps": [3, 4], "a": 2.0, "b": 20.0, "c": 200.0, "wall_s": 222.0,
+                                          "cpu_s": 222.0, "machine_busy_s": 222.0, "machine_s": 444.0}]
 
 
 def test_baton_hands_the_turn_on_when_a_loop_fails():
@@ -387,3 +391,128 @@ def test_alternate_runs_recipe_loop_and_trainer_on_the_same_batches(tiny_model, 
     for r in (0, 1):  # the recipe really ran, as a user's run: its records, every step, in bf16
         assert len([json.loads(x) for x in (out / f"recipe_r{r}" / "metrics.jsonl").read_text().splitlines()]) == 8
         assert json.loads((out / f"recipe_r{r}" / "run_config.json").read_text())["mixed_precision"] == "bf16"
+
+
+def test_cpu_share_of_a_real_launch(tmp_path):
+    """A one-thread busy loop of 1 s uses its CPU (share near 1), unless other work took the machine's cores, which
+    others' share then shows; a sleep uses none. The CPU seconds are the child's own, as it counts them itself."""
+    profile = bench.Profile(models=[bench.TINY], run_timeout=60)
+    got, others = {}, {}
+    for name, code in (("busy", "end = time.time() + 1.0\nwhile time.time() < end: pass"),
+                       ("sleep", "time.sleep(1.0)")):
+        run = bench.Run(model="tiny", name=name, kind="baseline", threads=1)
+        (tmp_path / name).mkdir()
+        script = f"import time\n{code}\nprint(time.process_time())"
+        samples = bench.execute(run, [bench.PYTHON, "-c", script], tmp_path / name, profile, dict(bench.os.environ))
+        bench.record_load(run, samples)
+        own = float((tmp_path / name / "launch.log").read_text().split()[-1])
+        assert run.status == "ok" and run.cpu_s == pytest.approx(own, abs=0.05)
+        assert run.others_share is not None and 0 <= run.others_share <= 1
+        got[name], others[name] = run.cpu_share, run.others_share
+    assert got["busy"] > 0.8 or others["busy"] > 0.25, (got, others)
+    assert got["sleep"] < 0.1, got
+
+
+def test_others_share_takes_the_worst_stretch_as_long_as_the_epoch():
+    # (seconds, own CPU, machine busy, machine all) on 2 cores: others take a whole core over seconds 2-4 only
+    samples = [(t, 1.0 * t, 1.0 * t + (min(max(t - 2, 0), 2)), 2.0 * t) for t in range(9)]
+    assert bench_load.others_share(samples) == pytest.approx(2 / 16)
+    assert bench_load.others_share(samples, 2.0) == pytest.approx(0.5)
+    assert bench_load.others_share(samples, 100.0) == pytest.approx(2 / 16)  # longer than the launch: all of it
+
+
+def fake_bench(monkeypatch, tmp_path, disturbed: dict) -> tuple:
+    """run_bench on pad128 and grouped, 4 rounds, without launching: each run's epoch is pad128 10 s x (1 + round /
+    100) and grouped 5 s x (1 + round / 50), and `disturbed` maps (name, round, attempt) to (epoch factor, CPU share,
+    others' share) for the attempts that other work slowed (every other one: share 0.9, others 0.02)."""
+    launched = []
+
+    def run_one(spec, name, round_, profile, runs_dir, recipe, n_gpus, shape, peaks, attempt=0):
+        slow, share, others = disturbed.get((name, round_, attempt), (1.0, 0.9, 0.02))
+        epoch = (10.0 * (1 + round_ / 100) if name == "pad128" else 5.0 * (1 + round_ / 50)) * slow
+        run_dir = tmp_path / f"{name}_r{round_}_a{attempt}"
+        run_dir.mkdir()
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"elapsed": epoch * (i + 1) / 4, "samples": 16,
+                                                                   "tokens": 100}) + "\n" for i in range(4)))
+        launched.append((name, round_, attempt))
+        return bench.Run(model="tiny", name=name, kind="baseline", round=round_, seed=42 + round_, attempt=attempt,
+                         world=1, threads=2, epoch_s=epoch, cpu_share=share, others_share=others / 2,
+                         others_peak=others, accuracy=0.5, run_dir=str(run_dir))
+
+    monkeypatch.setattr(bench, "run_one", run_one)
+    monkeypatch.setattr(bench, "visible_gpus", lambda: 0)
+    monkeypatch.setattr(bench.memory_model, "shape_from_model", lambda path: bench.memory_model.ModelShape(1))
+    monkeypatch.setattr(bench, "padding_costs", lambda spec, profile: {})
+    profile = bench.Profile(models=[bench.TINY], steps=4, warmup_steps=1, repeats=4)
+    logged = []
+    results = bench.run_bench(profile, strategies=(), baselines=("pad128", "grouped"), runs_dir=tmp_path,
+                              log=logged.append)
+    results["command"] = "test"
+    return results, launched, logged
+
+
+def test_a_disturbed_run_is_repeated_and_set_aside_when_it_stays_disturbed(monkeypatch, tmp_path):
+    """grouped#2 is slowed 3x with others' CPU at 0.5 in all 3 launches: set aside. grouped#3's first launch is slowed
+    alike, its repeat not. pad128#1's first launch lost CPU to another cgroup (share 0.6 of its best 0.9, others
+    unseen): launched again. The speed-up is the median of rounds 0, 1 and 3, undisturbed; taking every first launch
+    as it came would give the median of 2.0, 1.98, 0.65 and 0.65 (1.32)."""
+    slowed = {("grouped", 2, a): (3.0, 0.9, 0.5) for a in range(3)}
+    slowed[("grouped", 3, 0)] = (3.0, 0.9, 0.5)
+    slowed[("pad128", 1, 0)] = (1.5, 0.6, 0.02)
+    results, launched, logged = fake_bench(monkeypatch, tmp_path, slowed)
+    assert launched == [("pad128", 0, 0), ("grouped", 0, 0), ("grouped", 1, 0), ("pad128", 1, 0), ("pad128", 1, 1),
+                        ("pad128", 2, 0), ("grouped", 2, 0), ("grouped", 2, 1), ("grouped", 2, 2), ("grouped", 3, 0),
+                        ("grouped", 3, 1), ("pad128", 3, 0)]
+    undisturbed = [2 * (1 + r / 100) / (1 + r / 50) for r in (0, 1, 3)]
+    speedup = dict(results["ratios"]["tiny"]["grouped_speedup_vs_pad128"])
+    assert speedup.pop("set_aside") == [2]
+    assert speedup == pytest.approx({"median": undisturbed[1], "min": undisturbed[2], "max": undisturbed[0],
+                                     "rounds": 3})
+    text = "\n".join(bench_report.ratio_lines(results))
+    assert "grouped batches' speed-up over pad-to-128: **1.980x** (min 1.943, max 2.000; 3 interleaved rounds, 1 set " \
+           "aside as disturbed: 2)" in text
+    assert "disturbed runs launched again (4): pad128#1: CPU share 0.60 < 0.85 x 0.90; grouped#2: others' CPU 0.50 " \
+           "of the machine > 0.1; grouped#2 (repeat 1): others' CPU 0.50 of the machine > 0.1; grouped#3: " in text
+    assert "disturbed runs still disturbed, out of the time ratios (1): grouped#2 (repeat 2): others' CPU 0.50" in text
+    assert any("grouped#2 (repeat 1) disturbed" in line and line.endswith(": again") for line in logged)
+    md = bench_report.render_markdown(results, "chart.png")
+    assert "| tiny | 2 | 44 | 10.20 | 15.60 | 0.500 | 0.500 | 2 | grouped |" in md  # the rounds table: last attempts
+    # --rerender: the same rule on the stored figures, throughput recomputed from the run records
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    again = bench_report.rerender(path)
+    assert again["ratios"]["tiny"] == results["ratios"]["tiny"]
+    assert again["ratios"]["tiny"]["disturbed"] == results["ratios"]["tiny"]["disturbed"]
+
+
+def test_an_undisturbed_bench_launches_each_run_once(monkeypatch, tmp_path):
+    results, launched, _ = fake_bench(monkeypatch, tmp_path, {})
+    assert len(launched) == 8
+    assert bench_report.ratio_lines(results)[-1].startswith("- tiny, disturbed runs: none (disturbed: CPU share")
+
+
+def test_same_process_ratios_leave_out_disturbed_blocks():
+    """Blocks of the `alternate` run on 2 threads: the third had others' CPU at 0.3 of the machine, the fourth only
+    0.5 of the CPU share the best block reached; both are left out, and the ratios are the other blocks'."""
+    def block(i, recipe, share, others):
+        wall = recipe + 1.0 + 1.0
+        return {"round": 0, "steps": [11 + 5 * i, 15 + 5 * i], "recipe": recipe, "loop": 1.0, "trainer": 1.0,
+                "wall_s": wall, "cpu_s": share * wall * 2, "machine_busy_s": share * wall * 2 + others * wall * 2,
+                "machine_s": wall * 2}
+
+    blocks = [block(0, 1.02, 0.95, 0.0), block(1, 1.01, 0.9, 0.01), block(2, 2.0, 0.95, 0.3), block(3, 1.5, 0.5, 0.0),
+              block(4, 1.03, 0.93, 0.02)]
+    runs = [dict(bench.Run(model="tiny", name="alternate", kind="baseline", threads=2).__dict__, alternate=blocks)]
+    got = bench_report.ratios(runs)["tiny"]
+    same = got["recipe_vs_hand_loop_same_process"]
+    assert same.pop("set_aside") == ["0:21-25", "0:26-30"]
+    assert same == pytest.approx({"median": 1.02, "min": 1.01, "max": 1.03, "rounds": 3})
+    text = "\n".join(bench_report.ratio_lines({"ratios": {"tiny": got}}))
+    assert "disturbed same-process blocks, out of the ratios: 2 of 5: round 0 steps 21-25: others' CPU 0.30 of the " \
+           "machine > 0.1; round 0 steps 26-30: CPU share 0.50 < 0.85 x 0.95" in text
+    # a machine busy throughout: every block disturbed; the figures of all of them, marked as not to be trusted
+    busy = [dict(b, cpu_s=b["cpu_s"] / 2, machine_busy_s=b["machine_s"]) for b in blocks]
+    got = bench_report.ratios([dict(runs[0], alternate=busy)])["tiny"]["recipe_vs_hand_loop_same_process"]
+    assert got["all_disturbed"] and got["rounds"] == 5 and got["median"] == pytest.approx(1.03)
+    assert "every one disturbed, so all kept: not to be trusted" in bench_report.ratio_lines(
+        {"ratios": {"tiny": {"recipe_vs_hand_loop_same_process": got}}})[0]
