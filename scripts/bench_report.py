@@ -261,7 +261,7 @@ def disturbance_lines(model: str, summary) -> list:
     rule = (f"CPU share < {bench_load.SHARE_FLOOR} x the best of the same run, or others' CPU > "
             f"{bench_load.OTHERS_CEILING} of the machine")
     lines = []
-    for key, text in (("repeated", "launched again"), ("set_aside", "still disturbed, out of the time ratios")):
+    for key, text in (("repeated", "launched again"), ("set_aside", "still disturbed, set aside")):
         if summary.get(key):
             lines.append(f"- {model}, disturbed runs {text} ({len(summary[key])}): " + "; ".join(summary[key]))
     if summary.get("blocks_set_aside"):

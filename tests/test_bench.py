@@ -473,7 +473,7 @@ def test_a_disturbed_run_is_repeated_and_set_aside_when_it_stays_disturbed(monke
            "aside as disturbed: 2)" in text
     assert "disturbed runs launched again (4): pad128#1: CPU share 0.60 < 0.85 x 0.90; grouped#2: others' CPU 0.50 " \
            "of the machine > 0.1; grouped#2 (repeat 1): others' CPU 0.50 of the machine > 0.1; grouped#3: " in text
-    assert "disturbed runs still disturbed, out of the time ratios (1): grouped#2 (repeat 2): others' CPU 0.50" in text
+    assert "disturbed runs still disturbed, set aside (1): grouped#2 (repeat 2): others' CPU 0.50" in text
     assert any("grouped#2 (repeat 1) disturbed" in line and line.endswith(": again") for line in logged)
     md = bench_report.render_markdown(results, "chart.png")
     assert "| tiny | 2 | 44 | 10.20 | 15.60 | 0.500 | 0.500 | 2 | grouped |" in md  # the rounds table: last attempts
