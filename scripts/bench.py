@@ -30,11 +30,12 @@ share falls below 0.85 x the best share of the same run (model and name) in this
 undisturbed run of that kind reaches here today (multi-process runs wait in collectives, so each kind has its own).
 A disturbed COMPARED run is launched again (same round and seed, runs/bench/<model>_<run>_r<round>_a<attempt>), at
 most 2 more times; the replaced attempts stay in the results as `repeated`, and a last attempt still disturbed is set
-aside: every time ratio leaves out the rounds where either side is set aside. The `alternate` run records its process's
-CPU and the machine's over each block of steps and leaves out the blocks the same rule marks, judged against its best
-block. The ratio lines and results name what was repeated and set aside; --rerender applies the same rule to the
-stored figures. To check it by hand, --hog SECONDS@START keeps every core busy for SECONDS from START seconds after
-the bench starts; on 2 cores, about 6 min:
+aside: every time ratio leaves out the rounds where either side is set aside (where that is every round, it keeps
+them all and says it is not to be trusted). The `alternate` run records its process's CPU and the machine's over each
+block of steps and leaves out the blocks the same rule marks, judged against its best block. The ratio lines and
+results name what was repeated and set aside; --rerender applies the same rule to the stored figures. To check it by
+hand, --hog SECONDS@START keeps every core busy for SECONDS from START seconds after the bench starts; on 2 cores,
+about 6 min:
 
     python scripts/bench.py --strategies --baselines pad128 grouped loop trainer --hog 60@30 \
         --results_dir runs/hog --readme runs/hog/README.md
