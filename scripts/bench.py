@@ -301,6 +301,7 @@ def record_load(run: Run, samples: list) -> None:
     """The run's CPU share and others' beside it (module docstring), once its epoch time is known."""
     if run.cpu_s is not None and run.wall_s:
         run.cpu_share = run.cpu_s / (run.wall_s * max(1, run.threads) * run.world)
+    samples = samples or []  # a launch measured elsewhere (tests replace execute) has no samples
     run.others_share = bench_load.others_share(samples)
     run.others_peak = bench_load.others_share(samples, run.epoch_s)
 
