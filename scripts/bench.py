@@ -1,11 +1,12 @@
 """Every strategy side by side on the same work, against the baselines users would pick instead.
 
-    make bench                 # quick: the tiny model in fp32, every strategy + baselines (13-19 min on 2 CPU cores)
+    make bench                 # quick: the tiny model in fp32, every strategy + baselines (its results .md says how long it took)
     make bench BENCH=full      # + roberta-base and roberta-large shapes (random init) in bf16, for GPU machines
 
 Each run trains the same data, seed, number of optimizer steps and effective batch; throughput counts the steps after
 a warm-up, from the recipe's metrics.jsonl (elapsed, samples, tokens). Runs go to runs/bench/<model>_<run>; the
-results to results/<date>_<device>_<host>.{md,json,png}, and README.md's block between the bench markers.
+results to results/<date>_<device>_<host>.{md,json,png}, and docs/benchmark.md's block between the bench markers
+(README.md quotes three headline ratios of it; tests/test_docs.py holds them to the latest results file).
 
 Runs per model: the recipe under each shipped strategy config (multi-process ones on every GPU, or 2 CPU processes),
 `python recipes/cls.py --data_parallel` where more than one GPU is visible, and six baselines on one process:
@@ -38,7 +39,7 @@ hand, --hog SECONDS@START keeps every core busy for SECONDS from START seconds a
 about 6 min:
 
     python scripts/bench.py --strategies --baselines pad128 grouped loop trainer --hog 60@30 \
-        --results_dir runs/hog --readme runs/hog/README.md
+        --results_dir runs/hog --bench_page runs/hog/benchmark.md
 
 The headline ratios should stay within 5% of an idle run's, and the report name the runs it repeated and set aside.
 
@@ -72,7 +73,8 @@ from recipes.probe import COMM_VARIABLE
 from recipes.records import library_versions, read_jsonl
 from recipes.strategy import available_cores
 from scripts import bench_load, memory_model
-from scripts.bench_report import (MIB, epoch_figures, mib, ratio_lines, ratios, rerender, round_order, throughput,
+from scripts.bench_report import (BENCH_PAGE, MIB, epoch_figures, mib, ratio_lines, ratios, rerender, round_order,
+                                  throughput,
                                   update_readme, write_results)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -633,11 +635,13 @@ def main(argv=None) -> None:
     parser.add_argument("--precision", choices=("fp32", "bf16"), help="override every model's precision")
     parser.add_argument("--model_name_or_path", help="bench this model instead of the profile's (any encoder a "
                         "sequence classifier is built from; a folder without weights trains from random init); the "
-                        "README's figures are left alone")
+                        "docs/benchmark.md is left alone")
     parser.add_argument("--recipe", default="recipes/cls.py", help="the recipe to launch (to compare two versions)")
     parser.add_argument("--runs_dir", default=str(REPO / "runs" / "bench"))
     parser.add_argument("--results_dir", default=str(REPO / "results"))
-    parser.add_argument("--readme", default=str(REPO / "README.md"))
+    parser.add_argument("--bench_page", "--readme", dest="bench_page", default=str(BENCH_PAGE),
+                        help="the page whose block between the bench markers gets the new table (default: "
+                        "docs/benchmark.md; README.md quotes only the headline ratios, checked by tests/test_docs.py)")
     parser.add_argument("--hog", metavar="SECONDS@START", help="keep every core busy for SECONDS from START seconds "
                         "after the start, beside the bench: a check that it sets the disturbed runs aside")
     parser.add_argument("--rerender", metavar="RESULTS_JSON",
@@ -662,8 +666,8 @@ def main(argv=None) -> None:
     paths = write_results(results, Path(args.results_dir))
     print("\n".join(["", *ratio_lines(results), ""]))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
-    if not args.model_name_or_path:  # the README quotes the shipped profiles only
-        update_readme(Path(args.readme), results, paths)
+    if not args.model_name_or_path:  # docs/benchmark.md quotes the shipped profiles only
+        update_readme(Path(args.bench_page), results, paths)
 
 
 def custom_model(name_or_path: str) -> ModelSpec:

@@ -1,4 +1,5 @@
-"""make bench, the reporting half: throughput from a run's records, ratios, the results files, the README block.
+"""make bench, the reporting half: throughput from a run's records, ratios, the results files, and the block of
+docs/benchmark.md between the bench markers (BENCH_PAGE).
 
 scripts/bench.py runs the launches and hands this module a results dict; `python scripts/bench.py --rerender
 results/<file>.json` recomputes a results file from its runs' records with this module alone.
@@ -18,6 +19,7 @@ from scripts import bench_load
 
 REPO = Path(__file__).resolve().parent.parent
 README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
+BENCH_PAGE = REPO / "docs" / "benchmark.md"  # the page `make bench` rewrites between the markers (not README.md)
 MIB = 1024**2
 # The goals the quick profile is held to (issue 13): medians over rounds, times of the same samples. The overheads
 # are judged in one process (the `alternate` run), where the three take turns every few steps on the same batches.
@@ -431,7 +433,8 @@ def write_results(results: dict, results_dir: Path) -> dict:
 
 
 def update_readme(readme: Path, results: dict, paths: dict) -> bool:
-    """Replace the block between the bench markers with the latest table; False (and a note) when there is none."""
+    """Replace the block between the bench markers of `readme` (docs/benchmark.md for `make bench`) with the latest
+    table, and say so; False (and a note) when there is no such file or no markers."""
     if not readme.exists():
         print(f"note: {readme.name} does not exist yet; the bench block is not written")
         return False
@@ -449,6 +452,7 @@ def update_readme(readme: Path, results: dict, paths: dict) -> bool:
         f"![throughput and memory]({link(paths['png'])})", README_END])
     head, rest = text.split(README_START, 1)
     readme.write_text(head + block + rest.split(README_END, 1)[1])
+    print(f"rewrote the bench block of {readme}")
     return True
 
 

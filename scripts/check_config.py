@@ -30,6 +30,7 @@ from unittest import mock
 
 from recipes import launch_checks, trainer_args_checks
 from recipes.cls import Config
+from recipes.config import HelpFormatter
 from scripts import memory_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -194,7 +195,8 @@ def main(argv=None) -> int:
     from transformers import HfArgumentParser
 
     # The recipe's own flags, unabbreviated as in the recipe: a flag the recipe does not know fails here too.
-    parser = HfArgumentParser(Config, allow_abbrev=False, description="Check accelerate launch YAMLs, their "
+    parser = HfArgumentParser(Config, allow_abbrev=False, formatter_class=HelpFormatter,
+                              description="Check accelerate launch YAMLs, their "
                               "DeepSpeed JSONs and the recipe flags. Run from the repository root.")
     parser.add_argument("yamls", nargs="*", help="accelerate launch YAML files")
     parser.add_argument("--all", action="store_true", help="check every file in accelerate_configs/")

