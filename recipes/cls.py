@@ -24,9 +24,9 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
-from recipes import (RecipeError, activation_checkpointing, checkpoint, data, elastic, flag_checks, kernels,
-                     launch_checks, longrun, micro_batch, predict, problem, profiling, records, schedule, strategy,
-                     tasks, tracking)
+from recipes import (RecipeError, activation_checkpointing, checkpoint, compilation, data, elastic, flag_checks,
+                     kernels, launch_checks, longrun, micro_batch, predict, problem, profiling, records, schedule,
+                     strategy, tasks, tracking)
 from recipes.config import Config, parse_config  # the flags, each documented (recipes/config.py)
 from recipes.metrics import check_scores, compute_metrics, load_metrics
 from recipes.probe import Probe
@@ -114,9 +114,11 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
     progress = tqdm(total=plan.total_steps, initial=step, disable=not accelerator.is_local_main_process, desc="train")
     log = records.StepLog(accelerator, out / "metrics.jsonl", cfg.logging_steps, progress, on_flush=run.check_block)
     profiler = profiling.StepProfiler(cfg.profile_steps, out / "profile", accelerator.process_index, plan.total_steps)
+    compiled = compilation.CompileWatch(cfg, accelerator, model)  # --torch_compile: shapes, graphs, compile time
 
     def evaluate_step(epoch: int) -> dict:  # the evaluation after `step`; a new best is kept as best/
-        result = {"step": step, "epoch": epoch, **evaluate_all(cfg, model, loaders, accelerator, metrics)}
+        result = {"step": step, "epoch": epoch, **evaluate_all(cfg, model, loaders, accelerator, metrics),
+                  **compiled.counts()}
         if run.after_eval(result):
             checkpoint.save_weights(accelerator, model, tokenizer, out / "best", result)
         accelerator.log({f"eval/{k}": v for k, v in result.items() if isinstance(v, float)}, step=step)
@@ -170,7 +172,7 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
             step += 1  # a skipped step still consumed its window of samples
             profiler.step(step)  # closes it before the logging, evaluation and saving that follow
             log.end_step({"step": step, "epoch": epoch, "lr": lr, "samples": n_window, "skipped_steps": skipped,
-                          "elapsed": time.perf_counter() - t0}, grad_norm, run.stop_vote())
+                          "elapsed": time.perf_counter() - t0, **compiled.counts()}, grad_norm, run.stop_vote())
             progress.update(1)
             end_of_epoch = micro + 1 == len(loaders.train)
             eval_due = (cfg.eval_steps and step % cfg.eval_steps == 0) or end_of_epoch or step == plan.total_steps

@@ -106,6 +106,12 @@ class Config:
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
     profile_steps: Optional[str] = field(default=None, metadata={
         "help": "A-B: record optimizer steps A..B with torch.profiler (traces in <output_dir>/profile/)"})
+    torch_compile: bool = field(default=False, metadata={
+        "help": "torch.compile the model (inductor) through Accelerate, after DDP/FSDP wrapping (recipes/compilation)"})
+    torch_compile_mode: str = field(default="default", metadata={
+        "help": "torch.compile mode: default|reduce-overhead|max-autotune|max-autotune-no-cudagraphs"})
+    compile_regions: bool = field(default=False, metadata={
+        "help": "compile each repeated encoder layer on its own, not the whole model: shorter compiles"})
     cpu_threads: int = field(default=0, metadata={
         "help": "threads per process computing on CPU; 0: OMP_NUM_THREADS if above 1, else cores / local processes"})
     # Trackers, model card, Hub upload (recipes/tracking.py); names and meanings as in transformers' TrainingArguments

@@ -11,7 +11,7 @@ import contextlib
 import os
 from pathlib import Path
 
-from recipes import RecipeError, kernels, longrun, profiling, schedule
+from recipes import RecipeError, compilation, kernels, longrun, profiling, schedule
 from recipes.problem import PROBLEM_TYPES
 
 TRUNCATIONS = ("longest_first", "only_first", "only_second")
@@ -42,6 +42,7 @@ def flag_problems(cfg) -> list[str]:
         problems.append(f"--validation_split {cfg.validation_split} must be between 0 and 1")
     problems += schedule.schedule_problems(cfg)
     problems += kernels.flag_problems(cfg)
+    problems += compilation.flag_problems(cfg)
     profile_problem = profiling.steps_problem(cfg.profile_steps, cfg.max_train_steps)  # the data may cut it further
     if profile_problem:
         problems.append(profile_problem)

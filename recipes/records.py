@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from recipes import compilation
+
 REDACTED = "<redacted>"
 SECRET_FLAGS = ("hub_token",)  # never written: run_config.json and the trackers get REDACTED (recipes/tracking.py)
 
@@ -62,6 +64,7 @@ def describe_run(cfg, accelerator, total_steps: int, n_train: int, n_eval: int) 
         "cpu_threads": torch.get_num_threads(),  # intra-op threads (recipes/strategy.py set_cpu_threads)
         "matmul_precision": torch.get_float32_matmul_precision(),  # "high": TF32 (strategy.use_tf32_matmuls)
         "versions": library_versions(),
+        "compile": compilation.describe(cfg, accelerator),  # null: not compiled (recipes/compilation.py)
     }
 
 

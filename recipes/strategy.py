@@ -16,7 +16,7 @@ from typing import NoReturn
 
 import torch
 
-from recipes import RecipeError, fsdp_wrap, launch_checks, tracking
+from recipes import RecipeError, compilation, fsdp_wrap, launch_checks, tracking
 
 
 def make_accelerator(cfg):
@@ -45,6 +45,7 @@ def make_accelerator(cfg):
         log_with=tracking.prepare_trackers(cfg),  # --report_to
         project_dir=cfg.output_dir,
         kwargs_handlers=[group, ddp],
+        dynamo_plugin=compilation.dynamo_plugin(cfg),  # --torch_compile; None: the launch config's dynamo_config
         # Host-to-device copies that do not wait: the batch comes from pinned memory on GPUs (data.build_loaders).
         dataloader_config=DataLoaderConfiguration(non_blocking=not on_cpu),
     )

@@ -2,6 +2,7 @@
 
     make bench                 # quick: the tiny model in fp32, every strategy + baselines (its results .md says how long it took)
     make bench BENCH=full      # + roberta-base and roberta-large shapes (random init) in bf16, for GPU machines
+    make bench BENCH=compile   # torch.compile vs eager, tiny and roberta-base shape, fp32 (scripts/bench_compile.py)
 
 Each run trains the same data, seed, number of optimizer steps and effective batch; throughput counts the steps after
 a warm-up, from the recipe's metrics.jsonl (elapsed, samples, tokens). Runs go to runs/bench/<model>_<run>; the
@@ -123,6 +124,9 @@ PROFILES = {
     "full": Profile(models=[TINY, ModelSpec("roberta-base", "artifacts/roberta-base-shape", True, "bf16", 2e-5),
                             ModelSpec("roberta-large", "artifacts/roberta-large-shape", True, "bf16", 2e-5)],
                     run_timeout=1800),
+    # torch.compile beside eager (scripts/bench_compile.py): tiny and the roberta-base shape, fp32, 2 rounds
+    "compile": Profile(models=[TINY, ModelSpec("roberta-base", "artifacts/roberta-base-shape", True, "fp32", 2e-5)],
+                       repeats=2, run_timeout=1200),
 }
 
 
@@ -647,6 +651,12 @@ def main(argv=None) -> None:
     parser.add_argument("--rerender", metavar="RESULTS_JSON",
                         help="recompute throughput and ratios of a results file from its runs' records, rewrite it")
     args = parser.parse_args(argv)
+    if args.profile == "compile":  # its own runs and results (eager vs compiled pairs)
+        from scripts import bench_compile
+
+        bench_compile.run(PROFILES["compile"], Path(args.runs_dir).resolve(), Path(args.results_dir),
+                          "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+        return
     if args.rerender:
         results = rerender(Path(args.rerender))
     else:

@@ -1,0 +1,198 @@
+"""`make bench BENCH=compile`: the recipe compiled (--torch_compile) beside the recipe eager, on the same work.
+
+    make bench BENCH=compile   # about 25 min on 2 CPU cores (first run; inductor's cache makes reruns shorter)
+
+Rows: the tiny model (dynamic padding, as users run it) and the roberta-base shape (random init, batch 8 x 128 fixed
+by --pad_to_max_length), each with its config's dropout (0.1) and without dropout (a copy of its config with both
+dropout probabilities 0), fp32, one process with every core (bench.threads_of). Eager and compiled runs of a pair
+take turns in interleaved rounds (E C, C E, ...; round r with seed 42 + r, so both sides of a round train the same
+samples), as the main bench runs its COMPARED runs, and each ratio is taken within a round: compiled / eager speed
+as median with min-max over the rounds.
+
+Per run: the median step time over the steps after the warm-up whose graph count did not grow (a step that
+compiled is compile time, reported apart as compile_s, dynamo and inductor's own count), tokens/s over the same
+steps, the graphs compiled (training, then with the evaluation), and MFU: model FLOP/s (bench.model_flops) over
+the fp32 matmul rate this bench measures on the run's threads right before and right after the run (the better of
+the two), so that a machine slowed by other work is measured as slow as the run met it. Without dropout the
+compiled run's per-step losses are compared with the eager run's of the same round (max relative difference).
+Results: results/<date>_compile_<device>_<host>.{json,md}.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import shutil
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from recipes.records import library_versions, read_jsonl
+from scripts import memory_model
+from scripts.bench import (ACCELERATE, REPO, Profile, Run, cpu_matmul_flops, execute, free_port, hardware, model_flops,
+                           progress, run_env, threads_of)
+from scripts.bench_report import round_order, slug, spread
+
+SIDES = ("eager", "compiled")
+
+
+@dataclass
+class Work:
+    name: str
+    path: str
+    random_init: bool
+    steps: int  # optimizer steps of each run
+    warmup_steps: int  # left out of the timing, besides any step that compiled
+    batch: int
+    flags: tuple  # shape policy: dynamic padding (none) or fixed length
+    learning_rate: float
+    seq_len: int = 128  # for the attention term of model_flops
+
+
+WORK = (Work("tiny", "artifacts/tiny-roberta", False, 40, 5, 16, (), 1e-3),
+        Work("roberta-base", "artifacts/roberta-base-shape", True, 10, 3, 8, ("--pad_to_max_length",), 2e-5))
+
+
+def without_dropout(work: Work, runs_dir: Path) -> str:
+    """A copy of the model folder whose config has no dropout (weights, when there are, copied along)."""
+    folder = runs_dir / "models" / f"{work.name}-no-dropout"
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(REPO / work.path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return str(folder)
+
+
+def command(work: Work, model: str, side: str, seed: int, run_dir: Path, threads: int) -> list:
+    return [ACCELERATE, "launch", "--config_file", "accelerate_configs/single.yaml", "--mixed_precision", "no",
+            "--main_process_port", str(free_port()), "recipes/cls.py", "--model_name_or_path", model,
+            *(["--random_init"] if work.random_init else []), "--output_dir", str(run_dir), "--seed", str(seed),
+            "--max_train_samples", str(work.steps * work.batch), "--max_train_steps", str(work.steps),
+            "--per_device_train_batch_size", str(work.batch), "--per_device_eval_batch_size", str(work.batch),
+            "--max_eval_samples", str(2 * work.batch), "--max_length", str(work.seq_len),
+            "--learning_rate", str(work.learning_rate), "--logging_steps", "1", "--report_to", "none",
+            "--cpu_threads", str(threads), *work.flags, *(["--torch_compile"] if side == "compiled" else [])]
+
+
+def timing(metrics: list, warmup_steps: int) -> dict:
+    """Step time and tokens/s over the steps after the warm-up that compiled nothing; the compile totals."""
+    ends = [0.0] + [r["elapsed"] for r in metrics]
+    graphs = [0] + [r.get("graphs", 0) for r in metrics]
+    kept = [(ends[i + 1] - ends[i], r["tokens"]) for i, r in enumerate(metrics)
+            if i >= warmup_steps and graphs[i + 1] == graphs[i]]
+    seconds = sum(s for s, _ in kept)
+    return {"step_time_s": statistics.median(s for s, _ in kept), "tokens_per_s": sum(t for _, t in kept) / seconds,
+            "timed_steps": len(kept), "train_graphs": graphs[-1], "compile_s": metrics[-1].get("compile_s", 0.0)}
+
+
+def one_run(work: Work, model: str, dropout: str, side: str, round_: int, runs_dir: Path, timeout: int) -> dict:
+    import torch
+
+    threads = threads_of(1)
+    run_dir = runs_dir / f"{work.name}_{dropout}_{side}_r{round_}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    row = {"model": work.name, "dropout": dropout, "side": side, "round": round_, "seed": 42 + round_,
+           "threads": threads, "run_dir": str(run_dir), "status": "ok", "reason": ""}
+    before = cpu_matmul_flops(torch.float32, threads)
+    run = Run(model=work.name, name=side, kind="compile")  # what bench.execute fills: status, reason, wall time
+    execute(run, command(work, model, side, 42 + round_, run_dir, threads), run_dir,
+            Profile(models=[], run_timeout=timeout), run_env(threads, 1))
+    matmul = max(before, cpu_matmul_flops(torch.float32, threads))
+    row.update(status=run.status, reason=run.reason, wall_s=run.wall_s, matmul_flops=matmul)
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    if run.status == "ok" and len(metrics) == work.steps:
+        row.update(timing(metrics, work.warmup_steps))
+        evals = read_jsonl(run_dir / "eval.jsonl")
+        row["graphs"] = evals[-1].get("graphs", 0) if evals else row["train_graphs"]
+        row["compile_s"] = evals[-1].get("compile_s", row["compile_s"]) if evals else row["compile_s"]
+        row["losses"] = [r["loss"] for r in metrics]
+        shape = memory_model.shape_from_model(str(REPO / work.path))
+        row["model_flops_per_s"] = model_flops(shape, row["tokens_per_s"], work.seq_len)
+        row["mfu"] = row["model_flops_per_s"] / matmul
+    elif run.status == "ok":
+        row.update(status="failed", reason=f"{len(metrics)} of {work.steps} steps recorded")
+    return row
+
+
+def compile_ratios(rows: list) -> dict:
+    """Per model and dropout: compiled / eager speed (eager step time over compiled) within each round, median and
+    min-max; the largest per-step relative loss difference of the rounds without dropout; graphs and compile time."""
+    out = {}
+    for key in dict.fromkeys((r["model"], r["dropout"]) for r in rows):
+        ok = [r for r in rows if (r["model"], r["dropout"]) == key and r["status"] == "ok"]
+        pairs = [(e, c) for e in ok for c in ok if e["side"] == "eager" and c["side"] == "compiled"
+                 and e["round"] == c["round"]]
+        if not pairs:
+            continue
+        entry = {"speedup": spread([e["step_time_s"] / c["step_time_s"] for e, c in pairs]),
+                 "graphs": max(c["graphs"] for _, c in pairs), "train_graphs": max(c["train_graphs"] for _, c in pairs),
+                 "compile_s": spread([c["compile_s"] for _, c in pairs]),
+                 "mfu": {side: spread([r["mfu"] for r in ok if r["side"] == side]) for side in SIDES}}
+        if key[1] == "none":
+            entry["max_loss_rel_diff"] = max(abs(a - b) / abs(b) for e, c in pairs
+                                             for a, b in zip(c["losses"], e["losses"]))
+        out[f"{key[0]} dropout {key[1]}"] = entry
+    return out
+
+
+def markdown(results: dict) -> str:
+    lines = [f"# torch.compile bench, {results['date']}, {results['hardware']['cpu']}", "",
+             f"`{results['command']}`, {results['duration_s'] / 60:.1f} min; versions {results['versions']}", "",
+             "| model | dropout | run | round | s/step | tokens/s | MFU | matmul GFLOP/s | graphs (train) | "
+             "compile s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["runs"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['model']} | {r['dropout']} | {r['side']} | {r['round']} | {r['status']}: "
+                         f"{r['reason']} | | | | | |")
+            continue
+        lines.append(f"| {r['model']} | {r['dropout']} | {r['side']} | {r['round']} | {r['step_time_s']:.3f} | "
+                     f"{r['tokens_per_s']:.0f} | {r['mfu']:.3f} | {r['matmul_flops'] / 1e9:.1f} | "
+                     f"{r.get('graphs', 0)} ({r['train_graphs']}) | {r['compile_s']:.1f} |")
+    lines += ["", *ratio_lines(results), ""]
+    return "\n".join(lines)
+
+
+def ratio_lines(results: dict) -> list[str]:
+    lines = []
+    for name, e in results["ratios"].items():
+        s = e["speedup"]
+        line = (f"{name}: compiled / eager speed {s['median']:.3f} (min {s['min']:.3f}, max {s['max']:.3f}, "
+                f"{s['rounds']} rounds); MFU eager {e['mfu']['eager']['median']:.3f}, compiled "
+                f"{e['mfu']['compiled']['median']:.3f}; {e['graphs']} graphs ({e['train_graphs']} training), "
+                f"compile {e['compile_s']['median']:.1f} s")
+        if "max_loss_rel_diff" in e:
+            line += f"; per-step losses within {e['max_loss_rel_diff']:.1e} (relative) of eager"
+        lines.append(line)
+    return lines
+
+
+def run(profile: Profile, runs_dir: Path, results_dir: Path, command_line: str, log=progress) -> dict:
+    """Every pair of the profile in interleaved rounds; writes and returns the results."""
+    started = dt.datetime.now()
+    works = [w for w in WORK if w.name in {spec.name for spec in profile.models}]
+    schedule = [(w, dropout, side, r) for w in works for dropout in ("config", "none")
+                for r in range(profile.repeats) for side in round_order(list(SIDES), r)]
+    log(f"bench compile: {len(schedule)} runs, {profile.repeats} interleaved rounds per pair")
+    rows, models = [], {}
+    for i, (work, dropout, side, round_) in enumerate(schedule, 1):
+        if (work.name, dropout) not in models:
+            models[work.name, dropout] = work.path if dropout == "config" else without_dropout(work, runs_dir)
+        row = one_run(work, models[work.name, dropout], dropout, side, round_, runs_dir, profile.run_timeout)
+        rows.append(row)
+        figures = (f"{row['step_time_s']:.3f} s/step, MFU {row['mfu']:.3f}, graphs {row['graphs']}, compile "
+                   f"{row['compile_s']:.1f} s" if row["status"] == "ok" else f"{row['status']}: {row['reason']}")
+        log(f"{i:>2}/{len(schedule)} {work.name} dropout {dropout} {side} round {round_}: {figures}")
+    results = {"date": started.strftime("%Y-%m-%d"), "started": started.isoformat(timespec="seconds"),
+               "duration_s": (dt.datetime.now() - started).total_seconds(), "command": command_line,
+               "hardware": hardware(), "versions": library_versions(),
+               "work": {w.name: {"model": w.path, "random_init": w.random_init, "steps": w.steps,
+                                 "warmup_steps": w.warmup_steps, "batch": w.batch, "flags": list(w.flags)}
+                        for w in works},
+               "runs": rows, "ratios": compile_ratios(rows)}
+    results_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{results['date']}_compile_{slug(results['hardware']['device'])}_{slug(results['hardware']['host'])}"
+    (results_dir / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+    (results_dir / f"{stem}.md").write_text(markdown(results))
+    log("\n".join(["", *ratio_lines(results), "", f"wrote {results_dir / stem}.{{json,md}}"]))
+    return results
