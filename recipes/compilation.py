@@ -20,14 +20,20 @@ only where fusion saves memory traffic; regional compilation is the choice where
 short runs).
 
 Shapes: dynamic padding gives each batch its own length, and the last batch of an epoch and the evaluation batches
-another size. torch 2.13.0 compiles a first shape statically and recompiles on the next with the changed dims made
-symbolic ("automatic dynamic"); each graph costs tens of seconds on CPU. Here a forward pre-hook marks the dims that
-vary before the first call (`torch._dynamo.maybe_mark_dynamic`): batch and length with dynamic padding, the batch
-only with --pad_to_max_length (fixed length: the length stays static, which is what the fastest kernels want). So the
-training forward compiles once and the evaluation forward (no_grad, eval mode: other guards) once: 2 graphs per shape
-policy, whatever the lengths. A batch of one example specialises its dim (torch treats sizes 0 and 1 apart) and adds
-a graph. `torch._dynamo.config.recompile_limit` (8) is left as it is: a run that passed it would fall back to eager
-for that code with a warning, and the graph count in metrics.jsonl shows it.
+another size. torch 2.13.0 compiles a first shape statically and recompiles on a new one, each graph costing tens of
+seconds on CPU. So with dynamic padding the plugin asks for dynamic shapes (dynamic=True), and a forward pre-hook on
+the prepared model (it runs before the compiled code) marks the batch and length dims of the token tensors
+(`torch._dynamo.maybe_mark_dynamic`); with --pad_to_max_length it marks the batch only, and the length stays static,
+which is what the fastest kernels want. Both are needed: the mark alone left regional compilation recompiling each
+encoder layer at every new length (its layers see hidden states, not the marked inputs: measured +2 graphs per new
+length). The training forward then compiles once and the evaluation forward (no_grad, eval mode: other guards) once:
+2 graphs per shape policy for the whole model, whatever the lengths (with --compile_regions, one per region each: 3
+and 3 on one process, 4 and 4 under FSDP2, measured on the tiny model). A batch of one example specialises its dim
+(torch treats sizes 0 and 1 apart) and adds a graph. `torch._dynamo.config.recompile_limit` (8) is left as it is: a
+run that passed it would fall back to eager for that code with a warning, and the graph count shows it.
+
+Saving: Accelerate 1.15.0's `get_state_dict` names the weights of a compiled model `_orig_mod.<name>`;
+`uncompiled_names` gives final/ and best/ the plain model's names.
 
 Counts: `graphs` is dynamo's count of graphs compiled in this process (each training graph with its backward), and
 `compile_s` the seconds dynamo and inductor spent compiling forwards and backwards (`calculate_time_spent`), both
@@ -113,11 +119,24 @@ class CompileWatch:
 
 
 def mark_dynamic(inputs: dict, dims: tuple[int, ...]) -> None:
-    """Before dynamo sees the call: `dims` of the model's token tensors may vary (the hook runs outside the compiled
-    code, on the outermost module, which no strategy compiles)."""
+    """Before dynamo sees the call (a pre-hook of the prepared model runs before its compiled code, whatever wraps
+    it): `dims` of the model's token tensors may vary."""
     import torch
 
     for name in MODEL_INPUTS:
         tensor = inputs.get(name)
         if isinstance(tensor, torch.Tensor):
             torch._dynamo.maybe_mark_dynamic(tensor, list(dims))
+
+
+def uncompiled_names(state_dict: dict | None) -> dict | None:
+    """The state dict of a compiled model under the plain model's names, for a folder `from_pretrained` loads.
+
+    Accelerate 1.15.0's `get_state_dict` takes the state dict of `unwrap_model(model)`, which keeps the compiled
+    wrapper (keep_torch_compile=True), so every name came out as `_orig_mod.<name>` (and `layer.0._orig_mod.<name>`
+    for regions torch.compile wrapped one by one): final/ then loaded as a freshly initialised model. None (what a
+    rank that gathers nothing gets under ZeRO-3) stays None.
+    """
+    if state_dict is None:
+        return None
+    return {key.replace("_orig_mod.", ""): value for key, value in state_dict.items()}

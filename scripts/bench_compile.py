@@ -9,12 +9,14 @@ take turns in interleaved rounds (E C, C E, ...; round r with seed 42 + r, so bo
 samples), as the main bench runs its COMPARED runs, and each ratio is taken within a round: compiled / eager speed
 as median with min-max over the rounds.
 
-Per run: the median step time over the steps after the warm-up whose graph count did not grow (a step that
-compiled is compile time, reported apart as compile_s, dynamo and inductor's own count), tokens/s over the same
-steps, the graphs compiled (training, then with the evaluation), and MFU: model FLOP/s (bench.model_flops) over
-the fp32 matmul rate this bench measures on the run's threads right before and right after the run (the better of
-the two), so that a machine slowed by other work is measured as slow as the run met it. Without dropout the
-compiled run's per-step losses are compared with the eager run's of the same round (max relative difference).
+Per run: the median step time over the steps after the warm-up whose graph count did not grow (a step that compiled
+is compile time, reported apart as compile_s, dynamo and inductor's own count), tokens/s as those steps' mean tokens
+over that median, the graphs compiled (training, then with the evaluation), and MFU: model FLOP/s
+(bench.model_flops) over the fp32 matmul rate this bench measures on the run's threads right before and right after
+the run (the better of the two), so that a machine slowed by other work is measured as slow as the run met it.
+Without dropout the compiled run's per-step losses are compared with the eager run's of the same round (max relative
+difference).
+
 Results: results/<date>_compile_<device>_<host>.{json,md}.
 """
 from __future__ import annotations
@@ -80,8 +82,8 @@ def timing(metrics: list, warmup_steps: int) -> dict:
     graphs = [0] + [r.get("graphs", 0) for r in metrics]
     kept = [(ends[i + 1] - ends[i], r["tokens"]) for i, r in enumerate(metrics)
             if i >= warmup_steps and graphs[i + 1] == graphs[i]]
-    seconds = sum(s for s, _ in kept)
-    return {"step_time_s": statistics.median(s for s, _ in kept), "tokens_per_s": sum(t for _, t in kept) / seconds,
+    step_time = statistics.median(s for s, _ in kept)  # a stall of the shared machine moves a median little
+    return {"step_time_s": step_time, "tokens_per_s": statistics.mean(t for _, t in kept) / step_time,
             "timed_steps": len(kept), "train_graphs": graphs[-1], "compile_s": metrics[-1].get("compile_s", 0.0)}
 
 
