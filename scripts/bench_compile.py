@@ -12,10 +12,11 @@ as median with min-max over the rounds.
 Per run: the median step time over the steps after the warm-up whose graph count did not grow (a step that compiled
 is compile time, reported apart as compile_s, dynamo and inductor's own count), tokens/s as those steps' mean tokens
 over that median, the graphs compiled (training, then with the evaluation), and MFU: model FLOP/s
-(bench.model_flops) over the fp32 matmul rate this bench measures on the run's threads right before and right after
-the run (the better of the two), so that a machine slowed by other work is measured as slow as the run met it.
-Without dropout the compiled run's per-step losses are compared with the eager run's of the same round (max relative
-difference).
+(bench.model_flops) of the token positions computed (padding included: the work the CPU did, which is what
+compilation changes; 8 x 128 per step on the roberta-base shape) over the fp32 matmul rate this bench measures on
+the run's threads right before and right after the run (the better of the two: a rate slowed by other work would
+flatter the MFU). Without dropout the compiled run's per-step losses are compared with the eager run's of the same
+round (max relative difference).
 
 Results: results/<date>_compile_<device>_<host>.{json,md}.
 """
@@ -80,10 +81,11 @@ def timing(metrics: list, warmup_steps: int) -> dict:
     """Step time and tokens/s over the steps after the warm-up that compiled nothing; the compile totals."""
     ends = [0.0] + [r["elapsed"] for r in metrics]
     graphs = [0] + [r.get("graphs", 0) for r in metrics]
-    kept = [(ends[i + 1] - ends[i], r["tokens"]) for i, r in enumerate(metrics)
+    kept = [(ends[i + 1] - ends[i], r["tokens"], r["padded_tokens"]) for i, r in enumerate(metrics)
             if i >= warmup_steps and graphs[i + 1] == graphs[i]]
-    step_time = statistics.median(s for s, _ in kept)  # a stall of the shared machine moves a median little
-    return {"step_time_s": step_time, "tokens_per_s": statistics.mean(t for _, t in kept) / step_time,
+    step_time = statistics.median(k[0] for k in kept)  # a stall of the shared machine moves a median little
+    return {"step_time_s": step_time, "tokens_per_s": statistics.mean(k[1] for k in kept) / step_time,
+            "positions_per_s": statistics.mean(k[2] for k in kept) / step_time,
             "timed_steps": len(kept), "train_graphs": graphs[-1], "compile_s": metrics[-1].get("compile_s", 0.0)}
 
 
@@ -110,7 +112,7 @@ def one_run(work: Work, model: str, dropout: str, side: str, round_: int, runs_d
         row["compile_s"] = evals[-1].get("compile_s", row["compile_s"]) if evals else row["compile_s"]
         row["losses"] = [r["loss"] for r in metrics]
         shape = memory_model.shape_from_model(str(REPO / work.path))
-        row["model_flops_per_s"] = model_flops(shape, row["tokens_per_s"], work.seq_len)
+        row["model_flops_per_s"] = model_flops(shape, row["positions_per_s"], work.seq_len)
         row["mfu"] = row["model_flops_per_s"] / matmul
     elif run.status == "ok":
         row.update(status="failed", reason=f"{len(metrics)} of {work.steps} steps recorded")

@@ -136,11 +136,12 @@ def test_bench_times_only_steps_that_compiled_nothing():
     ratio is taken within a round."""
     from scripts.bench_compile import compile_ratios, timing
 
-    steps = [{"elapsed": e, "tokens": 100, "graphs": g, "compile_s": 9.0}
+    steps = [{"elapsed": e, "tokens": 100, "padded_tokens": 128, "graphs": g, "compile_s": 9.0}
              for e, g in ((10.0, 1), (11.0, 1), (12.0, 1), (22.0, 2), (23.0, 2), (24.0, 2), (28.0, 2))]
     t = timing(steps, warmup_steps=1)
     # not step 4 (it compiled: 10 s); the 4 s stall of step 7 moves the median step, not the throughput
     assert t["timed_steps"] == 5 and t["step_time_s"] == 1.0 and t["tokens_per_s"] == 100.0
+    assert t["positions_per_s"] == 128.0  # the positions computed, padding included: MFU's basis
     assert t["train_graphs"] == 2 and t["compile_s"] == 9.0
     rows = [{"model": "tiny", "dropout": "none", "side": side, "round": r, "status": "ok", "step_time_s": s,
              "graphs": 2, "train_graphs": 1, "compile_s": 4.0, "mfu": 0.5, "losses": [1.0, loss]}
