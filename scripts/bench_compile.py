@@ -11,8 +11,8 @@ as median with min-max over the rounds.
 
 Per run: the median step time over the steps after the warm-up whose graph count did not grow (a step that compiled
 is compile time, reported apart as compile_s, dynamo and inductor's own count), tokens/s as those steps' mean tokens
-over that median, the graphs compiled (training, then with the evaluation), and MFU: model FLOP/s
-(bench.model_flops) of the token positions computed (padding included: the work the CPU did, which is what
+over that median, the graphs compiled (training, then with the evaluation), and MFU: model FLOP/s (matmul FLOPs,
+training_flops_per_position) of the token positions computed (padding included: the work the CPU did, which is what
 compilation changes; 8 x 128 per step on the roberta-base shape) over the fp32 matmul rate this bench measures on
 the run's threads right before and right after the run (the better of the two: a rate slowed by other work would
 flatter the MFU). Without dropout the compiled run's per-step losses are compared with the eager run's of the same
@@ -30,8 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recipes.records import library_versions, read_jsonl
-from scripts import memory_model
-from scripts.bench import (ACCELERATE, REPO, Profile, Run, cpu_matmul_flops, execute, free_port, hardware, model_flops,
+from scripts.bench import (ACCELERATE, REPO, Profile, Run, cpu_matmul_flops, execute, free_port, hardware,
                            progress, run_env, threads_of)
 from scripts.bench_report import round_order, slug, spread
 
@@ -111,12 +110,27 @@ def one_run(work: Work, model: str, dropout: str, side: str, round_: int, runs_d
         row["graphs"] = evals[-1].get("graphs", 0) if evals else row["train_graphs"]
         row["compile_s"] = evals[-1].get("compile_s", row["compile_s"]) if evals else row["compile_s"]
         row["losses"] = [r["loss"] for r in metrics]
-        shape = memory_model.shape_from_model(str(REPO / work.path))
-        row["model_flops_per_s"] = model_flops(shape, row["positions_per_s"], work.seq_len)
+        row["model_flops_per_s"] = training_flops_per_position(str(REPO / work.path), work.seq_len) * \
+            row["positions_per_s"]
         row["mfu"] = row["model_flops_per_s"] / matmul
     elif run.status == "ok":
         row.update(status="failed", reason=f"{len(metrics)} of {work.steps} steps recorded")
     return row
+
+
+def training_flops_per_position(path: str, seq_len: int) -> float:
+    """Matmul FLOPs of one training step per token position: 6 per weight of every Linear (forward 2, backward 4)
+    plus attention's scores and weighted sum, 12 x layers x hidden x length. Unlike bench.model_flops (6 per
+    parameter) it leaves out the embedding tables, which a classifier looks up but never multiplies: 30% of
+    roberta-base's parameters, which would put the MFU of padded positions above 1."""
+    import torch
+
+    from recipes.launch_checks import model_skeleton
+
+    model = model_skeleton(path, 2)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    config = model.config
+    return 6 * linear + 12 * config.num_hidden_layers * config.hidden_size * seq_len
 
 
 def compile_ratios(rows: list) -> dict:
