@@ -18,8 +18,11 @@ RATIO = re.compile(r"(?<![\d.])\d+\.\d+x\b")  # 2.04x is caught too: every ratio
 POINTS = re.compile(r"[+\-−]\d+\.\d{2} points")
 
 
-def latest_results() -> tuple[str, dict]:
-    path = max((REPO / "results").glob("*.json"), key=lambda p: p.name)  # <date>_<device>_<host>.json
+def latest_results(kind: str = "bench") -> tuple[str, dict]:
+    """The newest results file of `make bench` (<date>_<device>_<host>.json) or of `make bench BENCH=compile`
+    (<date>_compile_<device>_<host>.json)."""
+    files = [p for p in (REPO / "results").glob("*.json") if ("_compile_" in p.name) == (kind == "compile")]
+    path = max(files, key=lambda p: p.name)
     return path.stem, json.loads(path.read_text())
 
 
@@ -96,3 +99,19 @@ def test_help_has_a_description_an_example_and_each_default_once():
     assert helps["--learning_rate"] == "peak learning rate of AdamW (default: 2e-05)"
     assert helps["--no_tf32"] != helps["--tf32"] and "no TF32" in helps["--no_tf32"]
     assert helps["--no_do_train"] == "same as --do_train false"
+
+
+def test_speed_page_quotes_the_latest_compile_results():
+    """docs/speed.md gives each compiled / eager speed ratio of the latest `make bench BENCH=compile` as that bench
+    prints it (median, min, max), and names its results file."""
+    from scripts import bench_compile
+
+    stem, results = latest_results("compile")
+    speed = (REPO / "docs" / "speed.md").read_text()
+    assert f"results/{stem}.md" in speed
+    assert results["ratios"], stem
+    for name, entry in results["ratios"].items():
+        s = entry["speedup"]
+        assert f"{s['median']:.3f} (min {s['min']:.3f}, max {s['max']:.3f}" in speed, name
+    assert bench_compile.ratio_lines(results)  # what the bench printed, in its results .md
+

@@ -236,7 +236,8 @@ def test_readme_zh_commands_match_readme():
     assert zh == en
     assert any("zero1.yaml" in c for row in en["strategies"] for c in row)
     assert any(c.startswith("torchrun") for row in en["strategies"] for c in row)
-    assert "0.8870" in en["figures"] and "1.965x" in en["figures"] and "35,123" in en["thousands"]
+    # the benchmark ratios themselves are checked against the latest results file in tests/test_docs.py
+    assert "0.8870" in en["figures"] and any(f.endswith("x") for f in en["figures"]) and "35,123" in en["thousands"]
     assert any("--resume_from_checkpoint latest" in line for block in en["commands"] for line in block)
 
 
