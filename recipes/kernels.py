@@ -101,10 +101,11 @@ def describe(model, optimizer) -> dict:
 def attention_refused(cfg):
     """transformers 5.23 raises ImportError (flash-attn not installed) or ValueError (an implementation the model
     does not support) from deep inside loading: one line naming the flag instead."""
+    from recipes.flag_checks import first_line  # here: flag_checks imports this module for flag_problems
+
     try:
         yield
     except (ImportError, ValueError) as err:
         if cfg.attn_implementation is None:
             raise
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise RecipeError(f"--attn_implementation {cfg.attn_implementation}: {first}") from None
+        raise RecipeError(f"--attn_implementation {cfg.attn_implementation}: {first_line(err)}") from None
