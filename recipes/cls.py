@@ -115,6 +115,7 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
     log = records.StepLog(accelerator, out / "metrics.jsonl", cfg.logging_steps, progress, on_flush=run.check_block)
     profiler = profiling.StepProfiler(cfg.profile_steps, out / "profile", accelerator.process_index, plan.total_steps)
     compiled = compilation.CompileWatch(cfg, accelerator, model)  # --torch_compile: shapes, graphs, compile time
+    overflow = strategy.OverflowCheck(accelerator, optimizer)  # fp16: was the step skipped (loss-scale overflow)?
 
     def evaluate_step(epoch: int) -> dict:  # the evaluation after `step`; a new best is kept as best/
         result = {"step": step, "epoch": epoch, **evaluate_all(cfg, model, loaders, accelerator, metrics),
@@ -160,12 +161,13 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
                 log.add(loss_sum, batch["attention_mask"])
                 if accelerator.sync_gradients:
                     grad_norm = strategy.clip_gradients(accelerator, model, cfg.max_grad_norm)
+                    overflow.before_step()
                 optimizer.step()
                 optimizer.zero_grad()
             if not accelerator.sync_gradients:
                 continue
             lr = scheduler.get_last_lr()[0]  # the rate this step used
-            if accelerator.optimizer_step_was_skipped:  # fp16 overflow: no update, so the schedule waits too
+            if overflow.skipped():  # fp16 overflow: no update, so the schedule waits too
                 skipped += 1
             else:
                 scheduler.step()

@@ -21,10 +21,18 @@ transformers 5.23 initialises the partitioned parameters on the GPU, whose seede
   multi-process runs per_device_batch x processes, one-process runs per_device_batch; nn.DataParallel the batch of
   all GPUs), the larger ones as micro-batches of 16 accumulated: the same samples per step, in fp32 the same mean.
 
+- fp16 with the default fused AdamW, on one GPU and under FSDP2 (one process): the recipe with step 3's logits made
+  NaN (the probe's fault nan:3:0), a real loss-scale overflow; the run must count the step as skipped, hold the
+  learning-rate schedule there and finish (recipes/strategy.py OverflowCheck: before it, Accelerate 1.15.0 reported
+  the fused kernel's skipped step as taken and the non-finite guard stopped the run);
+
 and per config: status, its per-step losses and the reference's, max and mean |difference| and a verdict against
 LOSS_BOUND (and the pre-clip gradient norms against GRAD_NORM_BOUND), model-state bytes measured vs
 scripts/memory_model.py with the CUDA peaks beside them, samples/s, tokens/s and MFU against the GPU's bf16 peak
 (bench.GPU_PEAK_FLOPS), and the bench table of the same runs in bench's format.
+
+`--only single,ddp,...` (GPU_CHECK_ARGS) checks the named configs and baselines only, with their references, and
+lists the others as not selected: a machine lent for a few minutes gets a results file of what it could run.
 
 Each command on a GPU machine must end within 8 minutes, so the work is split into parts (the setup, the models,
 DeepSpeed's ops, one per run) and one invocation runs parts while its budget (--budget, GPU_CHECK_BUDGET, 420 s)
@@ -228,7 +236,7 @@ def outer(args) -> int:
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     argv = [str(python), str(Path(__file__).resolve()), "--inner", "--started", str(started), "--budget",
             str(args.budget), "--hard_limit", str(args.hard_limit)] + (["--progressed"] if made else []) + \
-        (["--fresh"] if args.fresh else [])
+        (["--fresh"] if args.fresh else []) + (["--only", args.only] if args.only else [])
     os.execve(str(python), argv, env)
     return 0  # not reached
 
@@ -256,22 +264,35 @@ class Part:
     batch: int = 0  # a reference's effective batch
 
 
-def plan_parts(n_gpus: int, profile) -> list[Part]:
-    """Every part in order: the models, DeepSpeed's ops, a reference per effective batch, the bench runs, the
-    multi-machine configs."""
+FP16_CONFIGS = ("single", "fsdp")  # the fp16 overflow part's configs (one process each: what one GPU runs)
+FP16_FAULT_STEP = 3
+NOT_SELECTED = "not selected (--only)"
+
+
+def plan_parts(n_gpus: int, profile, only: tuple = ()) -> list[Part]:
+    """Every part in order: the models, DeepSpeed's ops, a reference per effective batch, the bench runs, the fp16
+    overflow runs, the multi-machine configs. With `only`, the runs not named are skipped as not selected (and
+    DeepSpeed's ops are built only for a selected offload config)."""
     from scripts import bench
 
     runs = [name for name, _ in bench.schedule_runs((*bench.STRATEGIES, *bench.BASELINES), 1)]
     skips = {name: bench.skip_reason(bench.Run(model="-", name=name, kind="strategy"), n_gpus) for name in runs}
+    if only:
+        skips.update({name: NOT_SELECTED for name in runs if name not in only})
     batches = {bench.effective_batch(name, n_gpus, profile) for name in runs if not skips[name]}
     world = machines_world(n_gpus, profile)
     skips.update({name: "" if world else f"runs as two machines on this host with 2 GPUs or more ({n_gpus} visible); "
                   "across real machines it needs a cluster" for name in MULTINODE})
-    if world:
+    fp16 = [f"fp16_{name}" for name in FP16_CONFIGS]
+    if only:
+        skips.update({name: NOT_SELECTED for name in (*MULTINODE, *fp16) if name not in only})
+    if world and any(skips[name] != NOT_SELECTED for name in MULTINODE):
         batches.add(profile.per_device_batch * world)
-    parts = [Part("models", "models", 120), Part("deepspeed-ops", "ops", 240)]
+    ops = "" if not only or any(name in only for name in runs if "offload" in name) else NOT_SELECTED
+    parts = [Part("models", "models", 120), Part("deepspeed-ops", "ops", 240, ops)]
     parts += [Part(f"reference_b{b}", "reference", 120, batch=b) for b in sorted(batches)]
     parts += [Part(name, "bench", 120, skips[name]) for name in runs]
+    parts += [Part(name, "fp16", 90, skips.get(name, "")) for name in fp16]
     return parts + [Part(name, "multinode", 150, skips[name]) for name in MULTINODE]
 
 
@@ -384,6 +405,50 @@ def execute_reference(batch: int, spec, profile, n_gpus: int, runs_dir: Path, sh
     return run
 
 
+FP16_STEPS = 8
+
+
+def execute_fp16(name: str, spec, profile, n_gpus: int, runs_dir: Path, shape, deadline: float):
+    """The recipe under fp16 on one GPU (`fp16_single`: single.yaml; `fp16_fsdp`: fsdp.yaml with one process) with
+    the default fused AdamW, step FP16_FAULT_STEP's logits made NaN by the probe: a real loss-scale overflow."""
+    from scripts import bench
+
+    config = name.removeprefix("fp16_")
+    run = bench.Run(model=spec.name, name=name, kind="fp16", precision="fp16", effective_batch=profile.per_device_batch)
+    run_dir = fresh_run_dir(run, runs_dir / f"{spec.name}_{name}")
+    command = [bench.ACCELERATE, "launch", "--config_file", f"accelerate_configs/{config}.yaml", "--num_processes", "1",
+               "--main_process_port", str(bench.free_port()), "--mixed_precision", "fp16", "recipes/cls.py",
+               "--model_name_or_path", spec.path, "--output_dir", str(run_dir), "--max_train_steps", str(FP16_STEPS),
+               "--max_train_samples", str(FP16_STEPS * profile.per_device_batch), "--max_eval_samples", "64",
+               "--per_device_train_batch_size", str(profile.per_device_batch), "--learning_rate",
+               str(spec.learning_rate), "--warmup_steps", "0", "--logging_steps", "1"]
+    env = {**bench.run_env(bench.threads_of(1), 1), "CUDA_VISIBLE_DEVICES": bench.first_gpu(),
+           "CLS_FAULT": f"nan:{FP16_FAULT_STEP}:0"}
+    bench.execute(run, command, run_dir, limited(profile, deadline), env)
+    return run
+
+
+def fp16_verdict(run: dict) -> dict:
+    """What an fp16 overflow run shows: the steps it logged, which it counted as skipped, whether the rate held at
+    each skipped step, and the verdict: the injected step skipped, every skipped step's rate held, all steps done."""
+    out = {"config": f"accelerate_configs/{run['name'].removeprefix('fp16_')}.yaml --num_processes 1 "
+                     "--mixed_precision fp16", "status": run["status"], "reason": run["reason"],
+           "fault_step": FP16_FAULT_STEP, "steps": None, "skipped_at": None, "lr": None, "loss": None,
+           "rate_held": None, "verdict": f"not judged: {run['status']}", "command": " ".join(run.get("command") or [])}
+    if run["status"] != "ok":
+        return out
+    steps = step_records(run["run_dir"])
+    records = [steps[s] for s in sorted(steps)]
+    skipped_at = [r["step"] for before, r in zip([{"skipped_steps": 0}, *records], records)
+                  if r["skipped_steps"] > before["skipped_steps"]]
+    held = [steps[s + 1]["lr"] == steps[s]["lr"] for s in skipped_at if s + 1 in steps]
+    out.update(steps=sorted(steps), skipped_at=skipped_at, lr=[r["lr"] for r in records],
+               loss=[r["loss"] for r in records], rate_held=all(held))
+    ok = sorted(steps) == list(range(1, FP16_STEPS + 1)) and FP16_FAULT_STEP in skipped_at and all(held)
+    out["verdict"] = "as expected" if ok else "NOT as expected"
+    return out
+
+
 def spawn(command: list, log_path: Path, env: dict):
     """A second machine's launch, in the background, in its own process group."""
     with open(log_path, "w") as log:
@@ -485,7 +550,7 @@ def estimate(part: Part, state: dict) -> float:
 
 def run_checks(budget: float = BUDGET_S, started: float | None = None, hard_limit: float = HARD_LIMIT_S,
                runs_root: Path = RUNS, results_dir: Path = RESULTS, progressed: bool = False,
-               fresh: bool = False) -> int:
+               fresh: bool = False, only: tuple = ()) -> int:
     """Run the parts that the budget holds; write the results once every part is done."""
     import torch
 
@@ -497,9 +562,9 @@ def run_checks(budget: float = BUDGET_S, started: float | None = None, hard_limi
     model_dir = runs_root / "roberta-base-nodropout"
     runs_dir = runs_root / "runs"
     profile, spec = profile_and_spec(model_dir)
-    parts = plan_parts(n_gpus, profile)
+    parts = plan_parts(n_gpus, profile, only)
     state_path = runs_root / "state.json"
-    state = load_state(state_path, fingerprint(n_gpus, profile), fresh)
+    state = load_state(state_path, {**fingerprint(n_gpus, profile), "only": sorted(only)}, fresh)
     if state.get("results"):
         say(f"gpu-check: done already: {', '.join(state['results'].values())} (GPU_CHECK_ARGS=--fresh checks again)")
         return 0
@@ -518,11 +583,14 @@ def run_checks(budget: float = BUDGET_S, started: float | None = None, hard_limi
         entry = {"kind": part.kind, "attempts": entry.get("attempts", 0) + 1, "status": "done", "run": None}
         if part.kind == "models":
             entry["note"] = prepare_models(model_dir, deadline - now())
+        elif part.kind == "ops" and part.skip:
+            entry["note"] = f"skipped: {part.skip}"
         elif part.kind == "ops":
             entry["note"] = build_ops(deadline - now(), retry=entry["attempts"] > 1)
         else:
             shape = shape or memory_model.shape_from_model(str(model_dir))
-            execute = {"reference": execute_reference, "multinode": execute_multinode, "bench": execute_bench_run}
+            execute = {"reference": execute_reference, "multinode": execute_multinode, "bench": execute_bench_run,
+                       "fp16": execute_fp16}
             try:
                 run = execute[part.kind](part.batch or part.name, spec, profile, n_gpus, runs_dir, shape, deadline) \
                     if not part.skip else bench.Run(model=spec.name, name=part.name, kind="strategy",
@@ -552,7 +620,7 @@ def run_checks(budget: float = BUDGET_S, started: float | None = None, hard_limi
             f"saved in {state_path.relative_to(REPO) if state_path.is_relative_to(REPO) else state_path}: run "
             "`make gpu-check` again to continue")
         return 0
-    results = build_results(state, parts, profile, spec, n_gpus)
+    results = build_results(state, parts, profile, spec, n_gpus, only)
     paths = write_results(results, results_dir)
     state["results"] = {k: str(p.relative_to(REPO) if p.is_relative_to(REPO) else p) for k, p in paths.items()}
     save_state(state_path, state)
@@ -672,7 +740,7 @@ def gpu_info(n_gpus: int) -> dict:
     return info
 
 
-def build_results(state: dict, parts: list, profile, spec, n_gpus: int) -> dict:
+def build_results(state: dict, parts: list, profile, spec, n_gpus: int, only: tuple = ()) -> dict:
     from scripts import bench
     from scripts.bench_report import ratios
 
@@ -719,6 +787,8 @@ def build_results(state: dict, parts: list, profile, spec, n_gpus: int) -> dict:
                                                                    "wall_s", "command", "run_dir")}
                        for b, r in sorted(references.items())},
         "configs": configs,
+        "selected": sorted(only) or "all",
+        "fp16_overflow": [fp16_verdict(runs[p.name]) for p in parts if p.kind == "fp16" and not p.skip],
         "bench": {"memory_label": "CUDA max alloc", "work": work, "hardware": hardware, "versions": ran,
                   "peak_flops": peaks, "runs": bench_runs,
                   "ratios": ratios(bench_runs)},
@@ -778,9 +848,29 @@ def render_markdown(results: dict) -> str:
              "(recipes/memstats.py) against scripts/memory_model.py; CUDA: torch.cuda.max_memory_allocated / "
              "max_memory_reserved of the largest rank. MFU: 6 x parameters x tokens/s plus attention, over the bf16 "
              "data-sheet peak of the GPUs the run used (scripts/bench.py GPU_PEAK_FLOPS). Per-step losses: the .json "
-             "beside this file.", "", "## Reduced `BENCH=full` table", "", markdown_table(results["bench"]), "",
+             "beside this file.", "", *fp16_lines(results), "## Reduced `BENCH=full` table", "",
+             markdown_table(results["bench"]), "",
              *ratio_lines(results["bench"]), ""]
     return "\n".join(lines) + "\n"
+
+
+def fp16_lines(results: dict) -> list[str]:
+    """The fp16 overflow section of the markdown: one row per config; none when no fp16 run was selected."""
+    rows = results.get("fp16_overflow") or []
+    if not rows:
+        return []
+    lines = ["## fp16 with fused AdamW: a real loss-scale overflow", "",
+             f"Step {rows[0]['fault_step']}'s logits made NaN (CLS_FAULT=nan:{rows[0]['fault_step']}:0), "
+             f"{FP16_STEPS} steps, linear decay without warm-up: the step must be counted as skipped, the rate held "
+             "at each skipped step, and the run must finish.", "",
+             "| config | status | steps | skipped at | rate held | verdict |", "|---|---|--:|---|---|---|"]
+    for r in rows:
+        status = r["status"] + (f": {r['reason']}" if r["reason"] else "")
+        lines.append(f"| {r['config']} | {status} | {len(r['steps'] or [])} | {r['skipped_at']} | {r['rate_held']} "
+                     f"| {r['verdict']} |")
+    if results.get("selected") != "all":
+        lines += ["", f"Selected with --only: {', '.join(results['selected'])}; the other configs were not run."]
+    return lines + [""]
 
 
 def write_results(results: dict, results_dir: Path) -> dict:
@@ -806,7 +896,20 @@ def inner(args) -> int:
         say(f"gpu-check: {torch.cuda.get_device_name(0)} has no bf16 (compute capability below 8.0): this check runs "
             "the bf16 configs; nothing checked")
         return 0
-    return run_checks(args.budget, args.started, args.hard_limit, progressed=args.progressed, fresh=args.fresh)
+    return run_checks(args.budget, args.started, args.hard_limit, progressed=args.progressed, fresh=args.fresh,
+                      only=selection(args.only))
+
+
+def selection(text: str) -> tuple:
+    """--only's names (in .venv-gpu: bench needs the pinned stack); SystemExit with one line for an unknown one."""
+    from scripts import bench
+
+    known = (*bench.STRATEGIES, *bench.BASELINES, *MULTINODE, *(f"fp16_{name}" for name in FP16_CONFIGS))
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"gpu-check: --only {', '.join(unknown)}: not a config this check runs ({', '.join(known)})")
+    return names
 
 
 def main(argv=None) -> int:
@@ -814,6 +917,8 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds of parts one invocation starts")
     parser.add_argument("--hard_limit", type=float, default=HARD_LIMIT_S, help="seconds after which a run is killed")
     parser.add_argument("--fresh", action="store_true", help="forget the finished parts and check again")
+    parser.add_argument("--only", default="", help="comma-separated configs and baselines to check "
+                        "(e.g. single,ddp,fsdp,zero2,zero3,fp16_single); default: all")
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)  # in .venv-gpu, after the setup
     parser.add_argument("--started", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--progressed", action="store_true", help=argparse.SUPPRESS)

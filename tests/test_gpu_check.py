@@ -157,6 +157,15 @@ class FakeGPUs:
                 {"same_batches": True, "blocks": [{"recipe": 1.0, "loop": 0.98, "trainer": 1.03}] * 4}))
             return
         world = int(flag(command, "--num_processes", 1))
+        if run.name.startswith("fp16_"):  # step 3 skipped, its rate held (the fsdp one broken: the rate moved on)
+            fault = int(env["CLS_FAULT"].split(":")[1])
+            lrs = [1e-4 * (1 - s / 8) for s in range(8)]
+            if run.name == "fp16_single":
+                lrs = lrs[:fault] + lrs[fault - 1:-1]
+            records = [{"step": s, "lr": lr, "loss": 0.7, "skipped_steps": int(s >= fault)}
+                       for s, lr in enumerate(lrs, 1)]
+            (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+            return
         if run.name in ("loop", "trainer"):
             batch = int(flag(command, "--batch_size"))
         else:
@@ -193,7 +202,7 @@ def test_fake_gpu_run_resumes_by_parts_and_writes_every_field(fake_gpus, tmp_pat
     runs, results_dir = tmp_path / "runs", tmp_path / "results"
     check = dict(runs_root=runs, results_dir=results_dir, hard_limit=10_000)
     parts = gpu_check.plan_parts(2, gpu_check.profile_and_spec(runs / "m")[0])
-    expected = [p.name for p in parts if p.kind in ("reference", "bench", "multinode")]
+    expected = [p.name for p in parts if p.kind in ("reference", "bench", "fp16", "multinode")]
     assert expected[:2] == ["reference_b16", "reference_b32"] and not any(p.skip for p in parts)
 
     # 1: a budget of 300 s holds the models, the ops and 5 runs of 50 s (the sixth would end past 300 s: 1.2 x 50)
@@ -221,7 +230,7 @@ def test_fake_gpu_run_resumes_by_parts_and_writes_every_field(fake_gpus, tmp_pat
     assert results["versions"]["pins"]["deepspeed"]["pinned"] == "==0.19.8"
     assert {"python", "torch_cuda", "accelerate", "deepspeed", "transformers", "datasets"} <= set(results["versions"])
     configs = {c["name"]: c for c in results["configs"]}
-    assert list(configs) == [name for name in expected if not name.startswith("reference")]
+    assert list(configs) == [name for name in expected if not name.startswith(("reference", "fp16"))]
     assert set(configs) == {*bench.STRATEGIES, *bench.BASELINES, "multinode", "zero2_multinode"}
     for c in configs.values():
         assert set(c) == set(gpu_check.CONFIG_FIELDS) and c["status"] == "ok", c
@@ -276,12 +285,43 @@ def test_fake_gpu_run_resumes_by_parts_and_writes_every_field(fake_gpus, tmp_pat
     assert flag(machine1, "--main_process_port") == flag(command, "--main_process_port")
     assert flag(commands["zero2_multinode"][0], "--deepspeed_config_file").endswith("zero2_bf16.json")
 
+    # fp16: the injected overflow skipped with its rate held (single), and a run whose rate moved on is flagged
+    fp16 = {r["config"].split()[0]: r for r in results["fp16_overflow"]}
+    single, fsdp = fp16["accelerate_configs/single.yaml"], fp16["accelerate_configs/fsdp.yaml"]
+    assert (single["skipped_at"], single["rate_held"], single["verdict"]) == ([3], True, "as expected")
+    assert (fsdp["skipped_at"], fsdp["rate_held"], fsdp["verdict"]) == ([3], False, "NOT as expected")
+    command, visible = commands["fp16_single"]
+    assert flag(command, "--mixed_precision") == "fp16" and flag(command, "--num_processes") == "1" and visible == "0"
+
     md = json_path.with_suffix(".md").read_text()
-    assert "## Configs" in md and "## Reduced `BENCH=full` table" in md
+    assert "## Configs" in md and "## Reduced `BENCH=full` table" in md and "## fp16 with fused AdamW" in md
     assert "| model | run | procs | threads | precision | samples/s |" in md  # bench's own table
     assert sum(line.startswith("| accelerate_configs/") or line.startswith("| scripts/bench_baselines.py")
-               or line.startswith("| python recipes/cls.py") for line in md.splitlines()) == len(configs)
+               or line.startswith("| python recipes/cls.py") for line in md.splitlines()) == \
+        len(configs) + len(results["fp16_overflow"])
     assert md.count("OUTSIDE bound") == 1 and "2x NVIDIA H100 80GB HBM3" in md
+
+
+def test_only_checks_the_named_configs_and_writes_their_results(fake_gpus, tmp_path):
+    """--only single,zero2,fp16_single on two GPUs: the references of their batches (16 and 32) and those three runs,
+    no DeepSpeed ops (no offload config named); every other config is in the results as not selected."""
+    runs, results_dir = tmp_path / "runs", tmp_path / "results"
+    only = gpu_check.selection("single, zero2,fp16_single")
+    assert gpu_check.run_checks(budget=10_000, started=fake_gpus.time, runs_root=runs, results_dir=results_dir,
+                                hard_limit=10_000, only=only) == 0
+    assert [name for name, _, _ in fake_gpus.calls] == ["reference_b16", "reference_b32", "single", "zero2",
+                                                        "fp16_single"]
+    state = json.loads((runs / "state.json").read_text())
+    assert state["parts"]["deepspeed-ops"]["note"] == f"skipped: {gpu_check.NOT_SELECTED}"
+    (json_path,) = results_dir.glob("gpu_check_*.json")
+    results = json.loads(json_path.read_text())
+    configs = {c["name"]: c for c in results["configs"]}
+    assert {n for n, c in configs.items() if c["status"] == "ok"} == {"single", "zero2"}
+    assert all(c["reason"] == gpu_check.NOT_SELECTED for n, c in configs.items() if n not in ("single", "zero2"))
+    assert results["selected"] == ["fp16_single", "single", "zero2"] and len(results["fp16_overflow"]) == 1
+    assert "Selected with --only: fp16_single, single, zero2" in json_path.with_suffix(".md").read_text()
+    with pytest.raises(SystemExit, match="--only zero4: not a config this check runs"):
+        gpu_check.selection("single,zero4")
 
 
 def test_one_gpu_plan_skips_dataparallel_and_multinode_with_reasons():

@@ -396,24 +396,67 @@ def test_training_loop_reads_nothing_from_the_device_between_log_flushes(count_s
     assert faulty.get("cls.train", 0) == 8 and sum(faulty.values()) - sum(counts.values()) == 8, (faulty, counts)
 
 
+def test_fused_adamw_overflow_under_a_real_grad_scaler_is_seen_as_skipped():
+    """The mechanism, on a real torch.amp.GradScaler("cpu") and torch's real fused AdamW inside Accelerate's
+    AcceleratedOptimizer (what `prepare` makes under fp16): an inf gradient leaves the weights unchanged and halves
+    the scale, yet Accelerate 1.15.0 says the step was not skipped (the fused kernel skips internally, so the scaler
+    always calls `step`); strategy.OverflowCheck says it was. A finite gradient then updates and is not skipped."""
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.state import AcceleratorState
+
+    accelerator = Accelerator(cpu=True)
+    try:
+        weight = torch.nn.Parameter(torch.ones(4))
+        optimizer = AcceleratedOptimizer(torch.optim.AdamW([weight], lr=0.1, fused=True),
+                                         scaler=torch.amp.GradScaler("cpu"))
+        check = strategy.OverflowCheck(accelerator, optimizer)
+        assert check.scaler is optimizer.scaler
+        seen = []
+        for factor in (float("inf"), 1.0):
+            optimizer.scaler.scale((weight * factor).sum()).backward()
+            check.before_step()
+            optimizer.step()
+            seen.append((check.skipped(), optimizer.step_was_skipped, optimizer.scaler.get_scale(),
+                         weight.detach().clone()))
+            optimizer.zero_grad()
+    finally:
+        AcceleratorState._reset_state(True)
+    (skipped, accelerate_says, scale, after_inf), (skipped_2, _, scale_2, after_finite) = seen
+    assert (skipped, accelerate_says, scale) == (True, False, 65536.0 * 0.5)  # the gap the check closes
+    assert torch.equal(after_inf, torch.ones(4))
+    assert (skipped_2, scale_2) == (False, 32768.0) and torch.all(after_finite < 1)
+
+
 def test_fp16_overflow_steps_hold_the_schedule_and_are_counted(monkeypatch, tiny_model, tmp_path):
-    """Under fp16 a step whose gradients overflowed is not applied (accelerator.optimizer_step_was_skipped); the
-    learning-rate schedule, which the recipe steps itself (step_scheduler_with_optimizer=False), must wait with it.
-    The step counter and the data position still advance: the step consumed its window. Rehearsed in one process on
-    CPU (no fp16 here): the property answers True at optimizer step 2. 4 steps, no warm-up, linear decay from 1e-3:
-    the rates used are 1e-3, 7.5e-4, 7.5e-4, 5e-4 (without the guard: ..., 5e-4, 2.5e-4); metrics.jsonl and the
-    checkpoints count the skipped step, and a run resumed from step 2 continues count, rates and losses."""
+    """Under fp16 a step whose gradients overflowed is not applied; the learning-rate schedule, which the recipe steps
+    itself (step_scheduler_with_optimizer=False), waits with it, and the non-finite guard does not stop the run. The
+    step counter and the data position still advance: the step consumed its window. Rehearsed in one process on CPU
+    with what a GPU fp16 run has: Accelerate makes no GradScaler on CPU, so the run's Accelerator gets a real
+    torch.amp.GradScaler("cpu") (the loss is scaled in backward and the scaler steps the real fused AdamW, default
+    --optim), and the probe makes step 2's logits NaN (CLS_FAULT=nan:2:0): a real overflow, nothing mocked of the skip.
+    4 steps, no warm-up, linear decay from 1e-3: the rates used are 1e-3, 7.5e-4, 7.5e-4, 5e-4 (without the check
+    the run stops at step 2 with "non-finite gradient norm"); metrics.jsonl and the checkpoints count the skipped
+    step, and a run resumed from step 2 continues count, rates, losses and the halved scale (scaler.pt)."""
     import shutil
 
-    from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
     from recipes import cls
 
-    def run(out, skipped_at: set, first_step: int = 1, *flags):
-        steps = iter(range(first_step, 10**6))
-        monkeypatch.setattr(Accelerator, "optimizer_step_was_skipped",
-                            property(lambda self: next(steps) in skipped_at))
+    make_accelerator = strategy.make_accelerator
+
+    def with_cpu_scaler(cfg):
+        accelerator = make_accelerator(cfg)
+        accelerator.scaler = torch.amp.GradScaler("cpu")  # as Accelerator.__init__ makes one for fp16 on CUDA
+        return accelerator
+
+    monkeypatch.setattr(strategy, "make_accelerator", with_cpu_scaler)
+    scales = []
+    monkeypatch.setattr(strategy.OverflowCheck, "skipped", lambda self, real=strategy.OverflowCheck.skipped: (
+        scales.append(self.scaler.get_scale()) or True) and real(self))
+
+    def run(out, *flags):
         try:
             cls.main(parse_config([*TINY_FLAGS, "--max_train_samples", "64", "--max_eval_samples", "16",
                                    "--per_device_train_batch_size", "8", "--max_train_steps", "4",
@@ -422,17 +465,22 @@ def test_fp16_overflow_steps_hold_the_schedule_and_are_counted(monkeypatch, tiny
             AcceleratorState._reset_state(True)
         return read_jsonl(out / "metrics.jsonl")
 
-    ref = run(tmp_path / "ref", {2})
+    monkeypatch.setenv("CLS_FAULT", "nan:2:0")
+    ref = run(tmp_path / "ref")
     assert [r["lr"] for r in ref] == pytest.approx([1e-3, 7.5e-4, 7.5e-4, 5e-4], rel=1e-6, abs=0)
     assert [r["skipped_steps"] for r in ref] == [0, 1, 1, 1] and [r["step"] for r in ref] == [1, 2, 3, 4]
+    assert scales == [65536.0, 32768.0, 32768.0, 32768.0]  # read after each step: lowered by step 2's overflow only
+    assert all(r["loss"] == r["loss"] for i, r in enumerate(ref) if i != 1) and ref[1]["loss"] != ref[1]["loss"]
     for step in (2, 4):
         state = json.loads((tmp_path / "ref" / "checkpoints" / f"step_{step}" / "trainer_state.json").read_text())
         assert (state["step"], state["skipped_steps"], state["samples_in_epoch"]) == (step, 1, 8 * step)
     shutil.copytree(tmp_path / "ref", tmp_path / "resumed")
-    resumed = run(tmp_path / "resumed", set(), 3, "--resume_from_checkpoint",
-                  str(tmp_path / "resumed" / "checkpoints" / "step_2"))
+    monkeypatch.delenv("CLS_FAULT")
+    scales.clear()
+    resumed = run(tmp_path / "resumed", "--resume_from_checkpoint", str(tmp_path / "resumed" / "checkpoints" / "step_2"))
     keys = ("step", "lr", "skipped_steps", "loss", "samples")
-    assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in ref]
+    assert [[r[k] for k in keys] for r in resumed[2:]] == [[r[k] for k in keys] for r in ref[2:]]
+    assert scales == [32768.0, 32768.0]
 
 
 def test_gpu_runs_get_pinned_prefetched_batches_and_non_blocking_copies(monkeypatch, tiny_model):
