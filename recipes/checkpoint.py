@@ -14,7 +14,7 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -42,6 +42,9 @@ class ResumePoint:
     micro_batch: int = 0  # its --per_device_train_batch_size (--auto_micro_batch keeps it: recipes/micro_batch.py)
     long_run: Optional[dict] = None  # its best-so-far and patience count (longrun.LongRun.state)
     eval_pending: bool = False  # written on a preemption before the evaluation due at its step: run that first
+    contract: Optional[dict] = None  # the training it is part of (recipes/contract.py); None: written before them
+    finished: bool = False  # written at the end of training (the last step, or an early stop)
+    changes: list = field(default_factory=list)  # contract.Change applied from this checkpoint on (--force_resume)
 
 
 def check_shared_output_dir(accelerator, out: Path) -> None:
@@ -82,12 +85,14 @@ def check_shared_output_dir(accelerator, out: Path) -> None:
                           "filesystem)")
 
 
-def checkpoint_due(every: str | None, step: int, end_of_epoch: bool) -> bool:
+def checkpoint_due(every: str | None, step: int, end_of_epoch: bool, last: bool = False) -> bool:
+    """Whether step `step` is saved: every N steps, or at each epoch's end, and always the last step of the run, so
+    that a relaunch of the finished run knows it is finished (longrun.finished_before)."""
     if not every:
         return False
     if every == "epoch":
-        return end_of_epoch
-    return step % int(every) == 0
+        return end_of_epoch or last
+    return step % int(every) == 0 or last
 
 
 def save_checkpoint(accelerator, out: Path, state: dict, probe, keep: Optional[int] = None) -> Path:
@@ -120,6 +125,9 @@ def save_checkpoint(accelerator, out: Path, state: dict, probe, keep: Optional[i
     if accelerator.is_main_process:
         try:
             (tmp / "trainer_state.json").write_text(json.dumps({**state, "cuda_devices": devices}, indent=2) + "\n")
+            if (out / "best").is_dir():  # the best as of this step, for a resume from here (restore_best)
+                link_tree(out / "best", tmp / "best")
+            shutil.rmtree(root / f"{name}.universal", ignore_errors=True)  # converted from the step_N it replaces
             shutil.rmtree(root / name, ignore_errors=True)
             tmp.rename(root / name)
             (root / "latest.tmp").write_text(name + "\n")
@@ -135,13 +143,14 @@ def save_checkpoint(accelerator, out: Path, state: dict, probe, keep: Optional[i
 def rotate_checkpoints(root: Path, keep: Optional[int]) -> list[str]:
     """Remove the oldest complete checkpoints beyond the newest `keep` (with their `.universal` conversions), never
     the one `latest` names. Called by rank 0 after a new checkpoint is complete and `latest` names it, so a crash
-    at any point leaves at least the newest complete one. Half-written `step_N.tmp` folders are not touched."""
+    at any point leaves at least the newest complete one. Half-written `step_N.tmp` folders are not touched. Every
+    checkpoint here is this run's: a fresh run does not start in a folder holding another run's (find_checkpoint),
+    and a resume removes the ones after its checkpoint (prepare_output_dir)."""
     if not keep or not root.is_dir():
         return []
     pointer = root / "latest"
     latest = pointer.read_text().strip() if pointer.is_file() else None
-    steps = sorted((int(m.group(1)), p.name) for p in root.iterdir()
-                   if p.is_dir() and (m := STEP_NAME.fullmatch(p.name)))
+    steps = [(step, p.name) for step, p in complete_checkpoints(root)]
     doomed = [name for _, name in steps[:-keep] if name != latest] if len(steps) > keep else []
     for name in doomed:
         shutil.rmtree(root / f"{name}.universal", ignore_errors=True)
@@ -173,29 +182,66 @@ def agree_saved(accelerator, name: str, error: Optional[BaseException], device=N
     return [d for d, _ in verdicts]
 
 
-def find_checkpoint(cfg, world_size: int) -> ResumePoint:
-    """The checkpoint to resume from, checked against this run; a fresh start without --resume_from_checkpoint.
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint under `root`, oldest first: a step_N folder holds its
+    trainer_state.json only once every rank has saved (save_checkpoint renames step_N.tmp last)."""
+    if not root.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in root.iterdir()
+                  if p.is_dir() and (m := STEP_NAME.fullmatch(p.name)) and (p / "trainer_state.json").is_file())
 
-    `latest` needs a checkpoint; `auto` resumes from the one `latest` names when there is one and starts fresh
-    otherwise, so that one command serves the first start and every restart (by an elastic agent, a requeue).
+
+def newest_checkpoint(root: Path) -> Optional[Path]:
+    """The newest complete checkpoint, whatever `latest` says: the pointer is written after the rename, so a crash
+    in between leaves it one behind, and a lost pointer must not turn a restart into a fresh start."""
+    found = complete_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def earlier_run(out: Path) -> list[str]:
+    """What of an earlier run's training is in `out`: its complete checkpoints and final/ (empty: none)."""
+    found = [f"checkpoints/{p.name}" for _, p in complete_checkpoints(out / "checkpoints")]
+    return found[-2:] + (["final/"] if (out / "final").is_dir() else [])
+
+
+def find_checkpoint(cfg, world_size: int) -> ResumePoint:
+    """The checkpoint to resume from; a fresh start without --resume_from_checkpoint.
+
+    `latest` and `auto` take the newest complete checkpoint of --output_dir; `auto` starts fresh when there is none,
+    so that one command serves the first start and every restart (by an elastic agent, a requeue). A fresh start in a
+    folder that holds an earlier run's checkpoints or final/ stops, unless --overwrite_output_dir replaces that run
+    (prepare_output_dir): its checkpoints would be rotated with the new run's, and its final/ overwritten silently.
     """
+    out = Path(cfg.output_dir)
     if not cfg.resume_from_checkpoint:
+        path = None
+    elif cfg.resume_from_checkpoint in ("latest", "auto"):
+        root = out / "checkpoints"
+        path = newest_checkpoint(root)
+        if path is None and any(STEP_NAME.fullmatch(p.name) for p in (root.iterdir() if root.is_dir() else [])):
+            raise RecipeError(f"--resume_from_checkpoint {cfg.resume_from_checkpoint}: {root} holds step_N folders but "
+                              "none is complete (no trainer_state.json): a save was cut short; remove them or resume "
+                              "from a checkpoint folder of your own")
+        if path is None and cfg.resume_from_checkpoint == "latest":
+            raise RecipeError(f"--resume_from_checkpoint latest: no checkpoint in {root}")
+    else:
+        path = Path(cfg.resume_from_checkpoint)
+    if path is None:
+        found = earlier_run(out) if cfg.do_train else []
+        if found and not cfg.overwrite_output_dir:
+            resume = "--resume_from_checkpoint auto" if any(f.startswith("checkpoints") for f in found) else None
+            raise RecipeError(f"--output_dir {out} holds an earlier run ({', '.join(found)}): "
+                              + (f"continue it with {resume}, or " if resume else "")
+                              + "replace it with --overwrite_output_dir, or choose another --output_dir")
         return ResumePoint()
-    path = Path(cfg.resume_from_checkpoint)
-    if cfg.resume_from_checkpoint in ("latest", "auto"):
-        pointer = Path(cfg.output_dir) / "checkpoints" / "latest"
-        if not pointer.is_file():
-            if cfg.resume_from_checkpoint == "auto":
-                return ResumePoint()
-            raise RecipeError(f"--resume_from_checkpoint latest: no checkpoint in {pointer.parent}")
-        path = pointer.parent / pointer.read_text().strip()
     try:
         state = json.loads((path / "trainer_state.json").read_text())
     except (OSError, ValueError) as err:
         raise RecipeError(f"checkpoint {path} has no readable trainer_state.json: {err}") from None
-    now = {"world_size": world_size, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-           "per_device_train_batch_size": cfg.per_device_train_batch_size, "seed": cfg.seed}
-    elastic.check_batch_layout(path, state, now, cfg.force_resume)
+    if "contract" not in state:  # written before contracts: its seed and batch layout are what it can be held to
+        now = {"world_size": world_size, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+               "per_device_train_batch_size": cfg.per_device_train_batch_size, "seed": cfg.seed}
+        elastic.check_batch_layout(path, state, now, cfg.force_resume)
     for rank in range(min(world_size, state["world_size"])):  # ranks that exist now and existed then
         if not (path / f"random_states_{rank}.pkl").is_file():
             raise RecipeError(f"checkpoint {path} has no RNG state for rank {rank} (random_states_{rank}.pkl)")
@@ -203,8 +249,8 @@ def find_checkpoint(cfg, world_size: int) -> ResumePoint:
                        path=path, saved_world=state["world_size"], length_group=state.get("length_group", 0),
                        skipped_steps=state.get("skipped_steps", 0), cuda_devices=state.get("cuda_devices"),
                        global_batch=elastic.global_batch(state), micro_batch=state["per_device_train_batch_size"],
-                       long_run=state.get("long_run"),
-                       eval_pending=state.get("eval_pending", False))
+                       long_run=state.get("long_run"), eval_pending=state.get("eval_pending", False),
+                       contract=state.get("contract"), finished=state.get("finished", False))
 
 
 def load_checkpoint(accelerator, optimizer, start: ResumePoint, seed: int) -> None:
@@ -279,17 +325,63 @@ def copy_weights(src: Path, folder: Path) -> None:
     tmp.rename(folder)
 
 
-def prepare_output_dir(out: Path, start: ResumePoint) -> None:
-    """Rank 0, before training: a resumed run keeps the records up to its checkpoint and takes over from a
-    preemption's marker; a fresh run drops the records and best/ of any earlier run in the folder."""
+# What a run writes into --output_dir (README "What a run writes"): --overwrite_output_dir removes these, nothing else.
+RUN_OUTPUTS = ("checkpoints", "final", "best", "metrics.jsonl", "eval.jsonl", "run_config.json", "predictions.jsonl",
+               "ranks", "profile", "cls", "mlruns", "final.tmp", "best.tmp")
+
+
+def prepare_output_dir(out: Path, start: ResumePoint, overwrite: bool = False) -> None:
+    """Rank 0, before training. A resumed run keeps the records up to its checkpoint, takes over from a preemption's
+    marker, drops the checkpoints an abandoned attempt wrote after it (they are another history: rotation, `auto`
+    and `latest` must never pick them) and puts back best/ as it was at the checkpoint. A fresh run starts from an
+    empty record: with --overwrite_output_dir the earlier run's outputs go (find_checkpoint refused it otherwise)."""
     out.mkdir(parents=True, exist_ok=True)
     if start.path:
         truncate_records(out, start.step)
-        (out / "checkpoints" / PREEMPTED_MARKER).unlink(missing_ok=True)
-    else:
-        for name in ("metrics.jsonl", "eval.jsonl"):
-            (out / name).unlink(missing_ok=True)
-        shutil.rmtree(out / "best", ignore_errors=True)
+        root = out / "checkpoints"
+        (root / PREEMPTED_MARKER).unlink(missing_ok=True)
+        later = [p for step, p in complete_checkpoints(root) if step > start.step]
+        for folder in later:
+            shutil.rmtree(folder.with_name(folder.name + ".universal"), ignore_errors=True)
+            shutil.rmtree(folder)
+        if later:
+            print(f"removed {', '.join(p.name for p in later)}: written after {start.path.name} by an attempt this "
+                  "run replaces")
+        if root.is_dir() and start.path.parent == root:
+            (root / "latest").write_text(source_checkpoint(start.path).name + "\n")
+        restore_best(out, source_checkpoint(start.path))
+        return
+    for name in RUN_OUTPUTS if overwrite else ("metrics.jsonl", "eval.jsonl", "best"):
+        target = out / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        else:
+            target.unlink(missing_ok=True)
+
+
+def source_checkpoint(path: Path) -> Path:
+    """step_N for its universal conversion step_N.universal (recipes/elastic.py), else the path itself."""
+    return path.with_name(path.name[:-len(".universal")]) if path.name.endswith(".universal") else path
+
+
+def restore_best(out: Path, checkpoint_dir: Path) -> None:
+    """best/ as it was when `checkpoint_dir` was saved: the snapshot kept in it, or none when there was no best
+    yet. An abandoned attempt's later best (from evaluations after the checkpoint, no longer in eval.jsonl) goes."""
+    shutil.rmtree(out / "best", ignore_errors=True)
+    if (checkpoint_dir / "best").is_dir():
+        link_tree(checkpoint_dir / "best", out / "best")
+
+
+def link_tree(src: Path, dst: Path) -> None:
+    """A copy of `src` at `dst` made of hard links where the filesystem allows (no bytes copied): the recipe only
+    ever replaces these files (a new folder renamed over), never writes into them."""
+    def link(a, b):
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    shutil.copytree(src, dst, copy_function=link)
 
 
 def truncate_records(out: Path, step: int) -> None:

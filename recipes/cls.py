@@ -24,9 +24,9 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
-from recipes import (RecipeError, activation_checkpointing, checkpoint, compilation, data, elastic, flag_checks,
-                     kernels, launch_checks, longrun, micro_batch, predict, problem, profiling, records, schedule,
-                     strategy, tasks, tracking)
+from recipes import (RecipeError, activation_checkpointing, checkpoint, compilation, contract, data, elastic,
+                     flag_checks, kernels, launch_checks, longrun, micro_batch, predict, problem, profiling, records,
+                     schedule, strategy, tasks, tracking)
 from recipes.config import Config, parse_config  # the flags, each documented (recipes/config.py)
 from recipes.metrics import check_scores, compute_metrics, load_metrics
 from recipes.probe import Probe
@@ -106,7 +106,8 @@ def evaluate_all(cfg: Config, model, loaders: data.Loaders, accelerator: Acceler
 
 
 def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, loaders: data.Loaders, metrics,
-          start: checkpoint.ResumePoint, probe: Probe, run: longrun.LongRun, tokenizer) -> dict:
+          start: checkpoint.ResumePoint, probe: Probe, run: longrun.LongRun, tokenizer,
+          terms: contract.Contract) -> dict:
     out, world, accum = Path(cfg.output_dir), accelerator.num_processes, cfg.gradient_accumulation_steps
     plan = loaders.plan
     model.train()  # from_pretrained returns a model in eval mode
@@ -133,7 +134,8 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
             "gradient_accumulation_steps": accum,
             "per_device_train_batch_size": cfg.per_device_train_batch_size, "seed": cfg.seed,
             "length_group": loaders.sampler.group_size, "skipped_steps": skipped, "long_run": run.state(),
-            "eval_pending": eval_pending}, probe, cfg.save_total_limit)
+            "eval_pending": eval_pending, "finished": step == plan.total_steps or run.stop_early,
+            "contract": terms.record()}, probe, cfg.save_total_limit)
         run.saved(path)
         return path.name
 
@@ -178,7 +180,7 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
             progress.update(1)
             end_of_epoch = micro + 1 == len(loaders.train)
             eval_due = (cfg.eval_steps and step % cfg.eval_steps == 0) or end_of_epoch or step == plan.total_steps
-            save_due = checkpoint.checkpoint_due(cfg.checkpointing_steps, step, end_of_epoch)
+            save_due = checkpoint.checkpoint_due(cfg.checkpointing_steps, step, end_of_epoch, step == plan.total_steps)
             if eval_due or save_due:
                 log.flush()  # records up to here; the ranks' common checks (longrun) run on what it reads
             if run.preempted:  # a stop signal reached some rank: every rank saw it at the same flush
@@ -225,6 +227,8 @@ def main(cfg: Config) -> dict:
     if failure:
         raise failure
     check_scores(cfg.problem_type, tasks.extra_scores(cfg), len(names))  # --metric_name fits the problem
+    terms = contract.Contract.of(cfg, train_ds, accelerator.num_processes)  # flags, model, data: what is trained
+    start = terms.settle(start, cfg.force_resume)  # a resume trains what its checkpoint did, or says what changes
     run = longrun.LongRun(cfg, start, out)  # checks --metric_for_best_model
     model = build_model(cfg, names)
     launch_checks.check_launch(cfg, model)
@@ -233,6 +237,10 @@ def main(cfg: Config) -> dict:
     loaders = data.build_loaders(cfg, train_ds, eval_ds, tokenizer, accelerator.num_processes, resume=start,
                                  device_type=accelerator.device.type)
     total_steps = loaders.plan.total_steps
+    finished = longrun.finished_before(start, total_steps, out)  # a relaunch of a completed run: nothing to do
+    if finished is not None:
+        accelerator.end_training()
+        return finished
     model = strategy.maybe_data_parallel(model, cfg, accelerator)
     # With a DeepSpeed offload config, Accelerate 1.15.0 replaces it by DeepSpeed's CPU Adam, in AdamW mode because it
     # is a torch AdamW (accelerate/utils/deepspeed.py map_pytorch_optim_to_deepspeed): the same decoupled decay.
@@ -243,13 +251,15 @@ def main(cfg: Config) -> dict:
     strategy.complete_plugins(accelerator, cfg, model)  # DeepSpeed's "auto" values, FSDP's wrapped classes
     start = elastic.prepare_universal(accelerator, start)  # ZeRO on another world size: universal checkpoint
     model, optimizer, loaders.train, scheduler = accelerator.prepare(model, optimizer, loaders.train, scheduler)
+    strategy.check_engine(accelerator, cfg, model)  # the engine steps, clips and computes as the flags say
     loaders.eval = accelerator.prepare(loaders.eval)
     loaders.extra_eval = [(prefix, accelerator.prepare(data.eval_loader(cfg, ds, tokenizer)))
                           for prefix, ds in extra_eval]
 
     if accelerator.is_main_process:
-        checkpoint.prepare_output_dir(out, start)
+        checkpoint.prepare_output_dir(out, start, cfg.overwrite_output_dir)
         resolved = {**records.describe_run(cfg, accelerator, total_steps, len(train_ds), len(eval_ds)),
+                    "training_contract": terms.record(),
                     "long_run": run.describe(), **micro_batch.describe(fitted, accelerator),
                     "kernels": kernels.describe(accelerator.unwrap_model(model), optimizer)}
         (out / "run_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
@@ -264,12 +274,14 @@ def main(cfg: Config) -> dict:
     if start.path:
         checkpoint.load_checkpoint(accelerator, optimizer, start, cfg.seed)  # model, optimizer, scheduler, RNGs
         kernels.apply_after_load(optimizer, cfg.optim, accelerator.device)  # --optim, not the checkpoint's choice
+        contract.apply_changes(start.changes, cfg, optimizer, scheduler)  # --force_resume: the new rate, decay
         accelerator.print(f"resumed from {start.path} at step {start.step}")
     elif cfg.resume_from_checkpoint == "auto":
         accelerator.print(f"--resume_from_checkpoint auto: no checkpoint in {out / 'checkpoints'}, starting fresh")
     probe.watch(model, accelerator)
     if cfg.do_train:
-        result = train(cfg, accelerator, model, optimizer, scheduler, loaders, metrics, start, probe, run, tokenizer)
+        result = train(cfg, accelerator, model, optimizer, scheduler, loaders, metrics, start, probe, run, tokenizer,
+                       terms)
     else:  # --do_train false: the model as loaded, evaluated once (without --do_eval false) and predicted
         result = {"step": 0, "epoch": 0, **(evaluate_all(cfg, model, loaders, accelerator, metrics) if cfg.do_eval
                                             else {})}

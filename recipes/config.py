@@ -55,6 +55,8 @@ class Config:
     max_train_samples: Optional[int] = field(default=None, metadata={"help": "keep the first N training examples"})
     max_eval_samples: Optional[int] = field(default=None, metadata={"help": "keep the first N validation examples"})
     output_dir: str = field(default="runs/cls", metadata={"help": "where the run records and final/ go"})
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "a fresh run replaces an earlier run's checkpoints, final/ and records in --output_dir"})
     seed: int = field(default=42, metadata={"help": "seed of the split, the init, the shuffling and dropout"})
     num_train_epochs: int = field(default=1, metadata={"help": "epochs over the training set"})
     max_train_steps: Optional[int] = field(default=None, metadata={"help": "stop after N optimizer steps"})
@@ -96,7 +98,8 @@ class Config:
     load_best_model_at_end: bool = field(default=False, metadata={"help": "final/ holds the best model, not the last"})
     early_stopping_patience: Optional[int] = field(default=None, metadata={
         "help": "stop after N evaluations without a better --metric_for_best_model"})
-    force_resume: bool = field(default=False, metadata={"help": "resume even with another global batch or seed"})
+    force_resume: bool = field(default=False, metadata={
+        "help": "resume with changed training flags, applying each from the checkpoint's step (recipes/contract.py)"})
     record_ranks: bool = field(default=False, metadata={"help": "write ranks/rank<i>.json: sample ids, param sums"})
     ddp_timeout: int = field(default=1800, metadata={"help": "seconds a collective may wait before failing"})
     ddp_find_unused_parameters: bool = field(default=False, metadata={

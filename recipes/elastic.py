@@ -112,7 +112,8 @@ def prepare_universal(accelerator, start):
     if plugin is None or not start.path or start.saved_world == accelerator.num_processes:
         return start
     converted = start.path.with_name(start.path.name + ".universal")
-    if accelerator.is_main_process and not converted.is_dir():
+    if accelerator.is_main_process and not is_conversion_of(converted, start.path):
+        shutil.rmtree(converted, ignore_errors=True)  # of another step_N of that name: never load it
         to_universal(start.path, converted)
     accelerator.wait_for_everyone()
     if not converted.is_dir():
@@ -120,6 +121,16 @@ def prepare_universal(accelerator, start):
     plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
     accelerator.print(f"{start.path} was written by {start.saved_world} processes: loading {converted}")
     return type(start)(**{**vars(start), "path": converted})
+
+
+def is_conversion_of(converted: Path, src: Path) -> bool:
+    """Whether `converted` was made from this very `src`: to_universal copies its trainer_state.json, which differs
+    between two checkpoints of the same step (another attempt, another time). checkpoint.save_checkpoint also
+    removes the conversion when it replaces its source; this catches one made before that rule."""
+    try:
+        return (converted / "trainer_state.json").read_bytes() == (src / "trainer_state.json").read_bytes()
+    except OSError:
+        return False
 
 
 def to_universal(src: Path, dst: Path) -> None:
@@ -135,10 +146,11 @@ def to_universal(src: Path, dst: Path) -> None:
 
     tmp = dst.with_name(dst.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    engine_dirs = [p for p in src.iterdir() if p.is_dir()]
+    engine_dirs = [p for p in src.iterdir() if p.is_dir() and p.name != "best"]  # best/: checkpoint.restore_best
     if len(engine_dirs) != 1:
         raise RecipeError(f"{src}: expected one DeepSpeed engine folder, found {[p.name for p in engine_dirs]}")
-    shutil.copytree(src, tmp, ignore=lambda folder, names: [engine_dirs[0].name] if Path(folder) == src else [])
+    shutil.copytree(src, tmp, ignore=lambda folder, names: [engine_dirs[0].name, "best"] if Path(folder) == src
+                    else [])
     ds_to_universal(Namespace(input_folder=str(engine_dirs[0]), output_folder=str(tmp / engine_dirs[0].name),
                               num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
                               inject_missing_state=True))

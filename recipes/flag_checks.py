@@ -84,6 +84,9 @@ def flag_problems(cfg) -> list[str]:
         problems.append("--load_best_model_at_end with predictions: they would come from the last step's weights, "
                         "not the best; predict in a second run from <output_dir>/final")
     resume = cfg.resume_from_checkpoint
+    if resume and cfg.overwrite_output_dir:
+        problems.append(f"--overwrite_output_dir with --resume_from_checkpoint {resume}: one continues the run in "
+                        "--output_dir, the other replaces it; choose one")
     if resume and resume not in ("latest", "auto") and not Path(resume).is_dir():
         problems.append(f"--resume_from_checkpoint {resume}: not a folder, 'latest' or 'auto'")
     if cfg.metric_for_best_model is not None:  # checked again once the data tell an inferred problem type

@@ -166,6 +166,38 @@ def deepspeed_problems(path: str, mixed_precision, mp_from_yaml: bool, recipe: d
     return problems
 
 
+# deepspeed_config keys of a launch config without a JSON that `accelerate launch` (1.15.0) exports as ACCELERATE_*
+# variables, and the recipe flag each would override (the Accelerator and DeepSpeed's plugin read the variables).
+EXPORTED_KEYS = {"gradient_accumulation_steps": "gradient_accumulation_steps", "gradient_clipping": "max_grad_norm"}
+
+
+def inline_deepspeed_problems(section: dict, recipe: dict) -> list[str]:
+    """A YAML's own deepspeed_config values (what `accelerate config` writes for DeepSpeed without a JSON file)
+    that differ from the recipe's flags: the run would use them instead (recipes/strategy.py check_agreement)."""
+    problems = []
+    for key, flag in EXPORTED_KEYS.items():
+        value = section.get(key)
+        if value is None or str(value) == "auto" or float(value) == float(recipe[flag]):
+            continue
+        problems.append(f"deepspeed_config.{key}: {value} in the launch config but --{flag} {recipe[flag]}: accelerate "
+                        f"launch exports it and the run would use {value}; delete the key (or set it to auto) or "
+                        f"pass --{flag} {value}")
+    return problems
+
+
+def environment_problems(env, recipe: dict) -> list[str]:
+    """ACCELERATE_* variables in this shell that the Accelerator would prefer to the recipe's flags."""
+    problems = []
+    for key, flag in EXPORTED_KEYS.items():
+        variable = f"ACCELERATE_{key.upper()}"
+        value = env.get(variable)
+        if value is None or value == "auto" or float(value) == float(recipe[flag]):
+            continue
+        problems.append(f"{variable}={value} is set in this environment but --{flag} {recipe[flag]}: the run would use "
+                        f"{value}; unset it or pass --{flag} {value}")
+    return problems
+
+
 def check_yaml(yaml_path: str, recipe: dict, model_path: str | None = None,
                warnings: list[str] | None = None) -> list[str]:
     """Problems of an accelerate launch YAML, the DeepSpeed JSON it names and the recipe flags; [] when clean.
@@ -226,6 +258,9 @@ def check_yaml(yaml_path: str, recipe: dict, model_path: str | None = None,
         problems += [f"deepspeed_config.{k} next to deepspeed_config_file: accelerate 1.15.0 refuses it; set it in "
                      f"{path}" for k in sorted(DS_KEYS_OWNED_BY_JSON & set(ds_section))]
         problems += deepspeed_problems(path, mixed_precision, "mixed_precision" in data, recipe, world)
+    if kind == "DEEPSPEED" and not ds_section.get("deepspeed_config_file"):
+        problems += inline_deepspeed_problems(ds_section, recipe)
+    problems += environment_problems(os.environ, recipe)
     ds_file = ds_section.get("deepspeed_config_file") if kind == "DEEPSPEED" else None
     problems += precision_support.bf16_problems(mixed_precision, ds_file)
     if kind == "FSDP":
@@ -292,9 +327,61 @@ def check_devices(env: dict, data_parallel: bool | None = None) -> None:
         warnings = gpu_count_warnings(1, visible_gpus(), launched=False)
     else:
         warnings = []
+    if env.get("RANK", "0") == "0":
+        warnings += world_warnings(env, launch_request())
     if env.get("LOCAL_RANK", "0") == "0":
         for warning in warnings:
             print(f"warning: {warning}", file=sys.stderr)
+
+
+def launch_request(parent_argv: list[str] | None = None) -> tuple[int, str] | None:
+    """(processes, what) the `accelerate launch` that started this process asked for: its --num_processes, else its
+    config file's num_processes; None when this process was not started by `accelerate launch` (plain python,
+    torchrun, DeepSpeed's launcher, or not Linux).
+
+    The launched process cannot learn it from its environment: accelerate 1.15.0's simple launcher (distributed_type
+    NO, as in single.yaml) starts one process whatever --num_processes says and exports neither that number nor the
+    config's. Its parent is the launch itself (the simple launcher and torchrun's agent both run inside it), whose
+    command line is read from /proc and parsed with accelerate's own parser.
+    """
+    if parent_argv is None:
+        try:
+            parent_argv = [a.decode() for a in Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0") if a]
+        except OSError:
+            return None
+    starts = [i for i, arg in enumerate(parent_argv[:-1]) if Path(arg).name == "accelerate"
+              and parent_argv[i + 1] == "launch"]
+    starts += [i - 1 for i, arg in enumerate(parent_argv) if Path(arg).name == "accelerate-launch"]
+    if not starts:
+        return None
+    from accelerate.commands.config.config_args import default_config_file, load_config_from_file
+    from accelerate.commands.launch import launch_command_parser
+
+    try:
+        args, _ = launch_command_parser().parse_known_args(parent_argv[starts[0] + 2:])
+    except SystemExit:  # not a command line this parser reads: nothing to compare
+        return None
+    if args.num_processes is not None:
+        return args.num_processes, f"--num_processes {args.num_processes}"
+    config_file = args.config_file or (default_config_file if Path(default_config_file).is_file() else None)
+    if config_file is None:
+        return None
+    try:
+        asked = load_config_from_file(config_file).num_processes
+    except Exception:  # an unreadable config stopped the launch before this process would exist
+        return None
+    return (asked, f"num_processes {asked} in {config_file}") if isinstance(asked, int) and asked > 0 else None
+
+
+def world_warnings(env: dict, request: tuple[int, str] | None) -> list[str]:
+    """A launch that runs another number of processes than it asked for (single.yaml with --num_processes 2 runs
+    one): one warning. A request that is honoured (ddp.yaml --num_processes 4) says nothing."""
+    world = int(env.get("WORLD_SIZE", "1")) if str(env.get("WORLD_SIZE", "1")).isdigit() else 1
+    if request is None or request[0] == world:
+        return []
+    return [f"the launch asked for {request[0]} processes ({request[1]}) but this run has {world}: a config with "
+            "distributed_type NO (single.yaml) always runs one; for several use ddp.yaml or another multi-process "
+            "config"]
 
 
 def check_launch_env(env: dict, recipe: dict, model=None) -> list[str]:

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import threading
 from pathlib import Path
 from typing import Optional
 
-from recipes import RecipeError, checkpoint, tasks
+from recipes import RecipeError, checkpoint, records, tasks
 from recipes.metrics import AVAILABLE, SCORES
 
 PREEMPTED_EXIT = 3  # exit status of a worker that stopped on a signal after writing its checkpoint: resume it
@@ -64,6 +65,12 @@ def metric_problem(metric: str, problem_type: Optional[str]) -> Optional[str]:
     return f"--metric_for_best_model {metric}: {what} {', '.join(known)}"
 
 
+def best_metric(cfg) -> str:
+    """The metric that picks best/: --metric_for_best_model, else the task's, else the problem type's first."""
+    task_metric = tasks.get_task(cfg.task_name).metric if getattr(cfg, "task_name", None) else None
+    return cfg.metric_for_best_model or task_metric or EVAL_METRICS[cfg.problem_type][0]
+
+
 def metric_direction(metric: str) -> bool:
     """True when higher is better: names ending in `loss` are minimised, the others maximised."""
     return not metric.endswith("loss")
@@ -73,8 +80,7 @@ class LongRun:
     """Best model, early stopping, preemption and the non-finite guard for one run (every rank holds the same one)."""
 
     def __init__(self, cfg, start, out: Path):
-        task_metric = tasks.get_task(cfg.task_name).metric if getattr(cfg, "task_name", None) else None
-        self.metric = cfg.metric_for_best_model or task_metric or EVAL_METRICS[cfg.problem_type][0]
+        self.metric = best_metric(cfg)
         problem = metric_problem(self.metric, cfg.problem_type)
         if problem:
             raise RecipeError(problem)
@@ -148,6 +154,27 @@ class LongRun:
                           f"checkpoint {checkpoint_name} written; run the same command with "
                           f"--resume_from_checkpoint auto to go on")
         raise Preempted(checkpoint_name)
+
+
+def finished_before(start, total_steps: int, out: Path) -> Optional[dict]:
+    """A relaunch of a run that already ended: the evaluation final/ holds, and final/ is left as it is; None when
+    there is training (or final/) left to do. A run ends at its last step or an early stop, and writes a checkpoint
+    there (checkpoint.checkpoint_due). Changes forced onto a run with no step left would train nothing: refused."""
+    if start.path is None:
+        return None
+    if start.changes and start.step >= total_steps:
+        raise RecipeError(f"checkpoint {start.path} is at step {start.step} and the run with the changed flags has "
+                          f"{total_steps} steps: nothing left to train with them; start a new run (another "
+                          "--output_dir, or --overwrite_output_dir)")
+    if start.changes or not start.finished or not (out / "final").is_dir():
+        return None
+    evals = [r for r in records.read_jsonl(out / "eval.jsonl") if r["step"] <= start.step]
+    kept = out / "final" / "best_model.json"  # final/ is a copy of best/ (--load_best_model_at_end)
+    held = json.loads(kept.read_text()) if kept.is_file() else None
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{out} holds a finished run (checkpoint {start.path.name}, final/): nothing to train, final/ is left "
+              "as it is")
+    return held or (evals[-1] if evals else {"step": start.step, "epoch": start.epoch})
 
 
 def describe_best(out: Path) -> Optional[dict]:

@@ -49,6 +49,7 @@ def make_accelerator(cfg):
         # Host-to-device copies that do not wait: the batch comes from pinned memory on GPUs (data.build_loaders).
         dataloader_config=DataLoaderConfiguration(non_blocking=not on_cpu),
     )
+    check_agreement(accelerator, cfg)  # a launch config's accumulation over --gradient_accumulation_steps
     use_tf32_matmuls(accelerator.device.type, accelerator.mixed_precision, cfg.tf32)
     set_cpu_threads(accelerator, cfg.cpu_threads)
     if on_cpu and fsdp:
@@ -143,12 +144,14 @@ def drop_unused_weight_renamings(model):
 
 
 def fill_deepspeed_auto(accelerator, cfg) -> None:
-    """Fill the DeepSpeed "auto" values that Accelerate cannot fill from the recipe's objects.
+    """Fill the DeepSpeed "auto" values that Accelerate cannot fill from the recipe's objects, then check the others.
 
     - train_micro_batch_size_per_gpu: Accelerate 1.15.0 reads it from `DataLoader.batch_size`, which is None for a
       loader built on a batch sampler; its error message asks for exactly this assignment.
     - gradient_clipping: Accelerate 1.15.0 fills "auto" with a constant 1.0; the recipe's --max_grad_norm rules.
-    Without DeepSpeed there is nothing to fill.
+    A value that is not "auto" (a YAML's deepspeed_config key, exported by `accelerate launch`) must equal the
+    recipe's (after --auto_micro_batch chose the split): the engine would use it instead. Without DeepSpeed there is
+    nothing to fill.
     """
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
@@ -157,6 +160,66 @@ def fill_deepspeed_auto(accelerator, cfg) -> None:
                        ("gradient_clipping", cfg.max_grad_norm)):
         if plugin.is_auto(key):
             plugin.deepspeed_config[key] = value
+    check_agreement(accelerator, cfg, {key: plugin.deepspeed_config.get(key) for key in DEEPSPEED_KEYS})
+
+
+# The recipe's flag behind each value the Accelerator or the DeepSpeed engine may take from elsewhere.
+DEEPSPEED_KEYS = {"gradient_accumulation_steps": "gradient_accumulation_steps",
+                  "gradient_clipping": "max_grad_norm",
+                  "train_micro_batch_size_per_gpu": "per_device_train_batch_size"}
+
+
+def value_source(key: str) -> str:
+    """Where a value other than the recipe's came from: the variable `accelerate launch` exports for a launch
+    config's deepspeed_config key (utils/launch.py, 1.15.0), a variable the user set, or the DeepSpeed JSON."""
+    variable = f"ACCELERATE_{key.upper()}"
+    if variable in os.environ:
+        from_yaml = key in os.environ.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",")
+        return (f"the launch config's deepspeed_config.{key}, exported by accelerate launch as {variable}"
+                if from_yaml else f"the environment variable {variable}")
+    return f"the DeepSpeed config ({os.environ.get('ACCELERATE_DEEPSPEED_CONFIG_FILE', 'deepspeed_config')})"
+
+
+def check_agreement(accelerator, cfg, used: dict | None = None) -> None:
+    """Stop when the accumulation, clipping or micro-batch the Accelerator or the DeepSpeed engine will use differs
+    from the recipe's: one line naming both values and where the other came from.
+
+    Accelerate 1.15.0's `Accelerator.__init__` prefers ACCELERATE_GRADIENT_ACCUMULATION_STEPS over its argument
+    (`parse_choice_from_env`), and `accelerate launch` exports a YAML's `deepspeed_config.gradient_accumulation_steps`
+    and `gradient_clipping` under those names, which `accelerate config` always writes for DeepSpeed without a JSON.
+    The recipe counts its windows of micro-batches from --gradient_accumulation_steps: a disagreement stepped on the
+    wrong micro-batches, ran the schedule at the wrong pace and logged a wrong loss, while run_config.json said
+    otherwise. `used`: the values to check (key: value); by default the Accelerator's accumulation. Called when the
+    Accelerator is made, before `prepare` (DeepSpeed's config) and after it (the engine's own, check_engine).
+    """
+    used = used if used is not None else {"gradient_accumulation_steps": accelerator.gradient_accumulation_steps}
+    problems = []
+    for key, value in used.items():
+        flag = DEEPSPEED_KEYS[key]
+        asked = getattr(cfg, flag)
+        if value is None or value == "auto" or float(value) == float(asked):
+            continue
+        problems.append(f"{key} {value} from {value_source(key)}, but --{flag} {asked}")
+    if problems:
+        raise RecipeError("the launch would train with other settings than the recipe's flags: " + "; ".join(problems)
+                          + ": remove them from the launch config (or set them to \"auto\"), or pass the same flags")
+
+
+def check_engine(accelerator, cfg, model) -> None:
+    """After `prepare`: what the DeepSpeed engine really uses (accumulation, clipping, micro-batch, precision)
+    equals the recipe's and what run_config.json records; the Accelerator's accumulation too, without DeepSpeed."""
+    engine = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    engine = engine.engine if engine is not None else None
+    if engine is None:
+        check_agreement(accelerator, cfg)
+        return
+    check_agreement(accelerator, cfg, {"gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+                                       "gradient_clipping": engine.gradient_clipping(),
+                                       "train_micro_batch_size_per_gpu": engine.train_micro_batch_size_per_gpu()})
+    precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "no"
+    if precision != accelerator.mixed_precision:
+        raise RecipeError(f"the DeepSpeed engine computes in {precision}, but the Accelerator reports "
+                          f"{accelerator.mixed_precision}: set the precision in the DeepSpeed JSON only")
 
 
 def maybe_data_parallel(model, cfg, accelerator):

@@ -204,6 +204,8 @@ def model_card(cfg, out: Path, result: dict):
         *(f"| {name} | " + " | ".join(str(e.get(c, "")) for c in columns) + " |" for name, e in evals.items()), "",
         "## Training", "",
         *(f"- {k}: {v}" for k, v in hyper.items()),
+        *(f"- changed on resume (--force_resume): {c['name']} {c['before']} -> {c['after']} from step {c['step'] + 1}"
+          for c in run.get("training_contract", {}).get("changes", [])),
         f"- effective batch size: {run['effective_batch_size']}; optimizer steps: {run['total_optimizer_steps']}; "
         f"training examples: {run['n_train_examples']}",
         f"- strategy: {run['distributed_type']}; world size: {run['world_size']}; precision: {run['mixed_precision']}",

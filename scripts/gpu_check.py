@@ -74,17 +74,21 @@ MIN_PART_S = 20  # a run given less than this would only be killed
 MAX_ATTEMPTS = 2  # a run cut at the hard limit this many times is reported as timed out
 # Loss bound, max |bf16 - fp32| over the steps. bf16 keeps 8 significant bits (relative rounding 2^-9, 0.2%): on a
 # loss near ln 2 = 0.69 one rounding is 1.4e-3, and 30 steps of forward, backward and update add a few of those
-# (expected max |diff| 1e-3 to 1e-2; not yet measured on a GPU: results record it per config, with how far the
-# reference's loss moved, to re-judge the bound). What this check is for moves the losses by more: a step on other
-# samples, a gradient reduced twice or not at all, another learning rate or schedule, another initial model shift
-# the loss by the reference's step-to-step change at lr 1e-4 and the gap grows with every step.
+# (expected max |diff| 1e-3 to 1e-2). What this check is for moves the losses by more: a step on other samples, a
+# gradient reduced twice or not at all, another learning rate or schedule, another initial model shift the loss by
+# the reference's step-to-step change and the gap grows with every step. Measured on an H100 (2026-11-26) at lr 1e-4:
+# every bf16 config matched the fp32 reference within 3e-3 for 3 steps, then the trajectory itself went unstable
+# (pre-clip gradient norms up to 13 against clipping at 1.0, the reference's loss 0.69 -> 0.98 -> 0.56) and bf16
+# rounding was amplified to 0.07 (autocast) - 0.2 (DeepSpeed's bf16 weights) by step 13: chaos, not a strategy fault,
+# so the check now trains at RATE, fine-tuning's usual rate, where the reference moves without blowing up.
 LOSS_BOUND = 0.02
+RATE = 2e-5  # the learning rate of every run of the check (see LOSS_BOUND)
 # Pre-clip gradient norms, median over the steps of |run - reference| / reference: bf16 gradients differ by about 1%;
 # a wrong loss scale (the mean over ranks taken twice, or not at all) is a factor of the world size, which AdamW and
 # clipping hide from the losses.
 GRAD_NORM_BOUND = 0.1
 MULTINODE = {"multinode": "ddp", "zero2_multinode": "zero2"}  # config: the strategy it launches across machines
-CHECK_VERSION = 1  # part of the state fingerprint: a new version of this check starts over
+CHECK_VERSION = 2  # part of the state fingerprint: a new version of this check starts over
 CONFIG_FIELDS = ("name", "config", "kind", "status", "reason", "world", "precision", "effective_batch", "reference",
                  "losses", "reference_losses", "loss_max_abs_diff", "loss_mean_abs_diff", "grad_norm_median_rel_diff",
                  "verdict", "state_measured", "state_predicted", "memory_ratio", "cuda_max_allocated",
@@ -247,7 +251,7 @@ def profile_and_spec(model_dir: Path):
     """The reduced BENCH=full profile (roberta-base shape only, bf16, one round) and its model."""
     from scripts import bench
 
-    spec = bench.ModelSpec("roberta-base", str(model_dir), False, "bf16", 1e-4)  # 1e-4: the losses move in 30 steps
+    spec = bench.ModelSpec("roberta-base", str(model_dir), False, "bf16", RATE)
     # 10 warm-up steps, bench's own: the probe counts the collectives of steps 3-6 (slowed by its dispatch mode) and
     # the alternate run takes turns in blocks of 5 steps, so the warm-up is a multiple of 5.
     profile = bench.Profile(models=[spec], steps=30, warmup_steps=10, per_device_batch=16, eval_samples=256,

@@ -21,7 +21,8 @@ POINTS = re.compile(r"[+\-−]\d+\.\d{2} points")
 def latest_results(kind: str = "bench") -> tuple[str, dict]:
     """The newest results file of `make bench` (<date>_<device>_<host>.json) or of `make bench BENCH=compile`
     (<date>_compile_<device>_<host>.json)."""
-    files = [p for p in (REPO / "results").glob("*.json") if ("_compile_" in p.name) == (kind == "compile")]
+    files = [p for p in (REPO / "results").glob("*.json") if ("_compile_" in p.name) == (kind == "compile")
+             and not p.name.startswith("gpu_check_")]  # the GPU check's records are not make bench's
     path = max(files, key=lambda p: p.name)
     return path.stem, json.loads(path.read_text())
 

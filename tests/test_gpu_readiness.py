@@ -502,6 +502,7 @@ def test_gpu_runs_get_pinned_prefetched_batches_and_non_blocking_copies(monkeypa
         def __init__(self, **kwargs):
             captured.update(kwargs)
             self.device, self.mixed_precision, self.num_processes = torch.device("cuda", 0), "no", 1
+            self.gradient_accumulation_steps = kwargs["gradient_accumulation_steps"]
             self.state = SimpleNamespace(deepspeed_plugin=None)
 
     import accelerate

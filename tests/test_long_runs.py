@@ -281,6 +281,8 @@ def test_rotation_keeps_the_newest_and_latest_and_their_conversions(tmp_path):
     root = tmp_path / "checkpoints"
     for name in ("step_2", "step_4", "step_4.universal", "step_10", "step_12", "step_14.tmp"):
         (root / name).mkdir(parents=True)
+        if "." not in name:  # complete: every rank saved (checkpoint.save_checkpoint writes it last)
+            (root / name / "trainer_state.json").write_text("{}")
     (root / "latest").write_text("step_4\n")  # e.g. a run resumed from step_4 after a rollback
     assert checkpoint.rotate_checkpoints(root, 2) == ["step_2"]
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_10", "step_12", "step_14.tmp", "step_4",
