@@ -21,6 +21,9 @@ OFFSET_POSITIONS = {"roberta", "xlm-roberta", "camembert", "longformer", "data2v
 # What a tokenizer is read from (transformers 5.23: tokenizer.json, or the slow tokenizers' vocabulary files).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "merges.txt", "spm.model",
                    "spiece.model", "sentencepiece.bpe.model", "tokenizer.model")
+# The files that hold a vocabulary; the others (tokenizer_config.json, special_tokens_map.json) only describe one.
+VOCABULARY_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spm.model", "spiece.model", "sentencepiece.bpe.model",
+                    "tokenizer.model")
 MIN_VOCABULARY = 100  # fewer tokens: an empty tokenizer, not a real one
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
 
@@ -124,6 +127,11 @@ def load_tokenizer(cfg):
     if Path(name).is_dir() and not any((Path(name) / f).is_file() for f in TOKENIZER_FILES):
         raise RecipeError(f"cannot load the tokenizer of '{name}': the folder has no tokenizer files "
                           f"({', '.join(TOKENIZER_FILES[:3])}, ...); give one with --tokenizer_name")
+    if Path(name).is_dir() and not any((Path(name) / f).is_file() for f in VOCABULARY_FILES):
+        present = [f for f in TOKENIZER_FILES if (Path(name) / f).is_file()]
+        raise RecipeError(f"cannot load the tokenizer of '{name}': the folder has {', '.join(present)} but no "
+                          f"vocabulary ({', '.join(VOCABULARY_FILES[:3])}, ...); copy the model's vocabulary file "
+                          "into it or give a tokenizer with --tokenizer_name")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, **loading_kwargs(cfg))
     except (OSError, ValueError, TypeError) as err:
@@ -153,8 +161,9 @@ def first_line(err) -> str:
 
 
 def check_model_source(cfg):
-    """The model's config, loaded once; a RecipeError for a folder without weights (unless --random_init), a Hub
-    id that cannot be fetched, or a --max_length beyond the model's positions (an error, not a silent clip)."""
+    """The model's config, loaded once; a RecipeError for a folder without weights (unless --random_init) or with
+    weights that do not fit its config, a Hub id that cannot be fetched, or a --max_length beyond the model's
+    positions (an error, not a silent clip)."""
     from transformers import AutoConfig
 
     path = Path(cfg.model_name_or_path)
@@ -172,6 +181,8 @@ def check_model_source(cfg):
         why = "offline mode is on (HF_HUB_OFFLINE=1)" if _is_offline() else "the Hugging Face Hub is unreachable"
         raise RecipeError(f"model '{cfg.model_name_or_path}' cannot be fetched: {why} or the name is wrong; offline: "
                           "make offline-model, then add --model_name_or_path artifacts/tiny-roberta") from None
+    if path.is_dir() and not cfg.random_init:
+        check_weights_fit(cfg, config)
     positions = getattr(config, "max_position_embeddings", None)
     if positions:
         if config.model_type in OFFSET_POSITIONS:
@@ -186,3 +197,49 @@ def check_model_source(cfg):
                               f"to {padded}, beyond the {positions} positions of {cfg.model_name_or_path}; use "
                               f"--max_length {positions // multiple * multiple} or less")
     return config
+
+
+def check_weights_fit(cfg, config) -> None:
+    """A RecipeError when the folder's weights are not those of the encoder its config.json describes.
+
+    transformers 5.23 loads such a folder with a warning only: a weight the file lacks starts from random init, a file
+    tensor the model has no place for is dropped (config.json with 6 layers beside a 2-layer file, or the reverse);
+    only a shape mismatch stops it, with a message that blames the classifier. The encoder (the model's
+    base_model_prefix) must come from the file whole; the head may be new (a base model's file has none) or of
+    another task (roberta-base's lm_head), so its keys are not judged here. transformers' own loader finds the keys,
+    renamings included, on the meta device: the header is read, no tensor."""
+    from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # its load report and progress bar are the real load's, shown once
+    hf_logging.disable_progress_bar()
+    try:
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            cfg.model_name_or_path, config=config, device_map="meta", output_loading_info=True,
+            ignore_mismatched_sizes=True, **loading_kwargs(cfg))
+    except (OSError, ValueError, RuntimeError) as err:
+        raise RecipeError(f"cannot read the weights of {cfg.model_name_or_path}: {first_line(err)}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bar:
+            hf_logging.enable_progress_bar()
+    prefix = model.base_model_prefix
+    encoder_parts = {name for name, _ in getattr(model, prefix, model).named_children()}
+
+    def in_encoder(key: str) -> bool:  # a checkpoint key may come with or without the prefix
+        key = key[len(prefix) + 1:] if key.startswith(prefix + ".") else key
+        return key.split(".", 1)[0] in encoder_parts
+
+    problems = []
+    for what, keys in (("lacks {n} of the model's weight{s}", info["missing_keys"]),
+                       ("holds {n} tensor{s} of another shape", [k for k, *_ in info["mismatched_keys"]]),
+                       ("holds {n} tensor{s} it has no place for", info["unexpected_keys"])):
+        keys = sorted(k for k in keys if in_encoder(k))
+        if keys:
+            problems.append(what.format(n=len(keys), s="s" if len(keys) > 1 else "")
+                            + f" ({', '.join(keys[:2])}{', ...' if len(keys) > 2 else ''})")
+    if problems:
+        raise RecipeError(f"the weights in {cfg.model_name_or_path} do not fit the model its config.json describes "
+                          f"({config.model_type}, {getattr(config, 'num_hidden_layers', '?')} layers): the file "
+                          + "; it ".join(problems) + "; give the config.json that was saved with these weights")

@@ -6,7 +6,10 @@
 
 What it runs, on a roberta-base-shaped model built offline without dropout, its weights drawn once (seed 42) and
 saved, so that every run starts from the same model (--random_init would not: under ZeRO-3's zero3_init_flag,
-transformers 5.23 initialises the partitioned parameters on the GPU, whose seeded draws are not the CPU's):
+transformers 5.23 initialises the partitioned parameters on the GPU, whose seeded draws are not the CPU's); or, when
+artifacts/minilm has been staged on the machine (`make fetch-pretrained` where the registry is reachable, or the folder
+copied there: at 87 MiB it does not travel with a checkout), on that real pretrained encoder, its weight file checked
+against the pinned hash and used as it is, with only config.json's dropout set to 0:
 - the reduced `BENCH=full` profile of scripts/bench.py (profile_and_spec below): every strategy of bench.STRATEGIES (one
   process per GPU; with one GPU each config runs with --num_processes 1; dataparallel only with 2 GPUs or more) and
   the baselines (loop, trainer, pad128, grouped, alternate), in bf16, 30 optimizer steps of 16 samples per device,
@@ -88,6 +91,9 @@ RATE = 2e-5  # the learning rate of every run of the check (see LOSS_BOUND)
 # clipping hide from the losses.
 GRAD_NORM_BOUND = 0.1
 MULTINODE = {"multinode": "ddp", "zero2_multinode": "zero2"}  # config: the strategy it launches across machines
+PRETRAINED = REPO / "artifacts" / "minilm"  # scripts/fetch_pretrained.py: checked instead of the roberta-base shape
+MODEL_NOTES = {"roberta-base": "roberta-base shape, dropout 0, weights drawn once (seed 42)",
+               "minilm": "all-MiniLM-L6-v2, pretrained (artifacts/minilm, weight file as pinned), dropout 0"}
 CHECK_VERSION = 2  # part of the state fingerprint: a new version of this check starts over
 CONFIG_FIELDS = ("name", "config", "kind", "status", "reason", "world", "precision", "effective_batch", "reference",
                  "losses", "reference_losses", "loss_max_abs_diff", "loss_mean_abs_diff", "grad_norm_median_rel_diff",
@@ -247,11 +253,12 @@ def outer(args) -> int:
 
 # --- run in .venv-gpu: the checks -------------------------------------------------------------------------------
 
-def profile_and_spec(model_dir: Path):
-    """The reduced BENCH=full profile (roberta-base shape only, bf16, one round) and its model."""
+def profile_and_spec(model_dir: Path, pretrained: bool = False):
+    """The reduced BENCH=full profile (one model: the roberta-base shape, or the staged pretrained encoder; bf16, one
+    round) and its model."""
     from scripts import bench
 
-    spec = bench.ModelSpec("roberta-base", str(model_dir), False, "bf16", RATE)
+    spec = bench.ModelSpec("minilm" if pretrained else "roberta-base", str(model_dir), False, "bf16", RATE)
     # 10 warm-up steps, bench's own: the probe counts the collectives of steps 3-6 (slowed by its dispatch mode) and
     # the alternate run takes turns in blocks of 5 steps, so the warm-up is a multiple of 5.
     profile = bench.Profile(models=[spec], steps=30, warmup_steps=10, per_device_batch=16, eval_samples=256,
@@ -340,7 +347,41 @@ def write_initial_model(shape_dir: Path, model_dir: Path, seed: int = 42) -> Non
     tmp.rename(model_dir)
 
 
-def prepare_models(model_dir: Path, timeout: float) -> str:
+def staged_pretrained() -> bool:
+    """Whether the pretrained encoder has been staged here; SystemExit with one line when its weight file is not the
+    pinned one (a run on other weights would be reported as this model's)."""
+    if not (PRETRAINED / "config.json").is_file():
+        return False
+    from recipes import RecipeError
+    from scripts.fetch_pretrained import check_weights
+
+    try:
+        check_weights(PRETRAINED)
+    except RecipeError as err:
+        raise SystemExit(f"gpu-check: {err}") from None
+    return True
+
+
+def stage_without_dropout(folder: Path, model_dir: Path) -> None:
+    """The staged pretrained folder, its files copied as they are (the weight file never saved again) and config.json's
+    dropout set to 0, so that bf16-vs-fp32 differences are precision only."""
+    if (model_dir / "model.safetensors").exists():
+        return
+    tmp = model_dir.with_name(model_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(folder, tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    shutil.rmtree(model_dir, ignore_errors=True)
+    tmp.rename(model_dir)
+
+
+def prepare_models(model_dir: Path, timeout: float, pretrained: bool = False) -> str:
+    where = model_dir.relative_to(REPO) if model_dir.is_relative_to(REPO) else model_dir
+    if pretrained:
+        stage_without_dropout(PRETRAINED, model_dir)
+        return f"{where}: all-MiniLM-L6-v2 from {PRETRAINED}, dropout 0"
     shape_dir = REPO / "artifacts" / "roberta-base-shape"
     if not (shape_dir / "config.json").exists():
         proc = run_step([sys.executable, "scripts/build_offline_model.py", "--output_dir", "artifacts/tiny-roberta"],
@@ -348,7 +389,7 @@ def prepare_models(model_dir: Path, timeout: float) -> str:
         if proc.returncode != 0:
             raise SystemExit(f"gpu-check: scripts/build_offline_model.py failed: {proc.stdout.strip()[-300:]}")
     write_initial_model(shape_dir, model_dir)
-    return f"{model_dir.relative_to(REPO) if model_dir.is_relative_to(REPO) else model_dir}: weights drawn (seed 42)"
+    return f"{where}: weights drawn (seed 42)"
 
 
 def build_ops(timeout: float, retry: bool) -> str:
@@ -563,9 +604,10 @@ def run_checks(budget: float = BUDGET_S, started: float | None = None, hard_limi
     started = now() if started is None else started
     deadline = started + hard_limit
     n_gpus = torch.cuda.device_count()
-    model_dir = runs_root / "roberta-base-nodropout"
+    pretrained = staged_pretrained()
+    model_dir = runs_root / ("minilm-nodropout" if pretrained else "roberta-base-nodropout")
     runs_dir = runs_root / "runs"
-    profile, spec = profile_and_spec(model_dir)
+    profile, spec = profile_and_spec(model_dir, pretrained)
     parts = plan_parts(n_gpus, profile, only)
     state_path = runs_root / "state.json"
     state = load_state(state_path, {**fingerprint(n_gpus, profile), "only": sorted(only)}, fresh)
@@ -586,7 +628,7 @@ def run_checks(budget: float = BUDGET_S, started: float | None = None, hard_limi
         begin = now()
         entry = {"kind": part.kind, "attempts": entry.get("attempts", 0) + 1, "status": "done", "run": None}
         if part.kind == "models":
-            entry["note"] = prepare_models(model_dir, deadline - now())
+            entry["note"] = prepare_models(model_dir, deadline - now(), pretrained)
         elif part.kind == "ops" and part.skip:
             entry["note"] = f"skipped: {part.skip}"
         elif part.kind == "ops":
@@ -780,7 +822,7 @@ def build_results(state: dict, parts: list, profile, spec, n_gpus: int, only: tu
         "finished": dt.datetime.now().isoformat(timespec="seconds"), "invocations": state["invocations"],
         "parts_s": sum(p.get("wall_s", 0) for p in state["parts"].values()),
         "command": "make gpu-check", "hardware": hardware, "versions": ran,
-        "work": {**work[spec.name], "model": "roberta-base shape, dropout 0, weights drawn once (seed 42)",
+        "work": {**work[spec.name], "model": MODEL_NOTES[spec.name],
                  "references": "the recipe on one GPU in fp32 with --tf32 false, micro-batches of "
                                f"{profile.per_device_batch} accumulated to each effective batch"},
         "loss_bound": {"loss_max_abs_diff": LOSS_BOUND, "grad_norm_median_rel_diff": GRAD_NORM_BOUND,

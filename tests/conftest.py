@@ -1,4 +1,5 @@
-"""Fixtures: the offline tiny model and its dropout-free copy, built once per session. The helpers tests share are in helpers.py."""
+"""Fixtures: the offline tiny model and its dropout-free copy, built once per session; the pretrained encoder and its
+2-layer cut (make fetch-pretrained). The helpers tests share are in helpers.py."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,7 @@ import subprocess
 
 import pytest
 
-from helpers import PARITY_FLAGS, PYTHON, REPO, TINY, run_recipe
+from helpers import PARITY_FLAGS, PRETRAINED, PYTHON, REPO, SNIPPETS, TINY, run_recipe
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -62,6 +63,42 @@ def encoders(tmp_path_factory, tiny_model):
 
 
 @pytest.fixture(scope="session")
+def pretrained_model():
+    """all-MiniLM-L6-v2 and the Rotten Tomatoes splits (scripts/fetch_pretrained.py), fetched once if this checkout
+    has none yet (`make test` fetches them first)."""
+    from filelock import FileLock
+
+    PRETRAINED.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(PRETRAINED.parent / ".pretrained.lock")):
+        if not (PRETRAINED / "config.json").is_file() or not (SNIPPETS / "split.json").is_file():
+            subprocess.run([PYTHON, "scripts/fetch_pretrained.py"], cwd=REPO, check=True)
+    return PRETRAINED
+
+
+@pytest.fixture(scope="session")
+def cut_pretrained(pretrained_model, tmp_path_factory):
+    """The pretrained model cut to its first 2 layers, without dropout: the other layers' tensors removed from the
+    original safetensors file (same key names, same dtypes, the file's metadata kept) and config.json edited, never
+    saved again through transformers, so that the runs load a real checkpoint's file as it was written."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = tmp_path_factory.mktemp("minilm_2_layers")
+    for f in pretrained_model.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            shutil.copy(f, path)
+    with safe_open(str(pretrained_model / "model.safetensors"), "pt") as f:
+        metadata = f.metadata()
+        kept = {key: f.get_tensor(key) for key in f.keys()
+                if not (key.startswith("encoder.layer.") and int(key.split(".")[2]) >= 2)}
+    save_file(kept, str(path / "model.safetensors"), metadata=metadata)
+    config = json.loads((pretrained_model / "config.json").read_text())
+    config.update(num_hidden_layers=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+@pytest.fixture(scope="session")
 def ddp_parity_reference(tiny_model, tmp_path_factory):
     """The shipped ddp.yaml (fp32) with PARITY_FLAGS, run once for every test that compares with it (read only)."""
     out = tmp_path_factory.mktemp("ddp_parity_ref")
@@ -72,7 +109,7 @@ def ddp_parity_reference(tiny_model, tmp_path_factory):
 # The files with the longest chains of launches, collected first: under `make test`'s two pytest-xdist workers
 # (--dist loadfile, a file per worker in collection order) they start at once instead of last, so that no one file
 # runs alone at the end while the other core idles. Order only: every file still runs whole on one worker.
-LONG_FIRST = ["test_resume.py", "test_elastic.py", "test_strategies.py", "test_long_runs.py"]
+LONG_FIRST = ["test_resume.py", "test_elastic.py", "test_strategies.py", "test_long_runs.py", "test_pretrained.py"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -18,6 +18,8 @@ REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 TINY = REPO / "artifacts" / "tiny-roberta"
+PRETRAINED = REPO / "artifacts" / "minilm"  # make fetch-pretrained (scripts/fetch_pretrained.py)
+SNIPPETS = REPO / "artifacts" / "rotten_tomatoes"
 # Small, fast defaults for recipe runs in tests: a few hundred samples, fp32 on CPU, exact eval count 101, one thread
 # per process (make test runs two test files at once on 2 cores; one-process and two-process runs then compute with
 # the same matmul blocking, as the reference figures in README were measured).
@@ -29,9 +31,15 @@ TINY_FLAGS = ["--model_name_or_path", str(TINY), "--max_train_samples", "256", "
 # is the one reference that test_strategies (shipped ddp.yaml, parity) and test_tutorials (torchrun, checkpointing)
 # compare with: conftest's session fixture `ddp_parity_reference`.
 PARITY_FLAGS = ["--max_train_steps", "8", "--per_device_train_batch_size", "8", "--record_ranks"]
+# The pretrained encoder's data: the Rotten Tomatoes splits, scored on eval (snippets are 27 tokens on average, 78 at
+# most).
+PRETRAINED_DATA = ["--train_file", str(SNIPPETS / "train.csv"), "--validation_file", str(SNIPPETS / "eval.csv"),
+                   "--text_column", "text", "--label_column", "label", "--max_length", "64"]
 
-__all__ = ["ACCELERATE", "PARITY_FLAGS", "PYTHON", "REPO", "TINY", "TINY_FLAGS", "eval_loader", "fp32_launch_args",
-           "free_port", "kill_group", "losses", "no_gpu", "rank_records", "read_jsonl", "run_in_own_group", "run_recipe"]
+__all__ = ["ACCELERATE", "PARITY_FLAGS", "PRETRAINED", "PRETRAINED_DATA", "PYTHON", "REPO", "SNIPPETS", "TINY",
+           "TINY_FLAGS", "assert_follows", "assert_pretrained_in_and_out", "eval_loader", "fp32_launch_args", "free_port",
+           "kill_group", "losses", "no_gpu", "rank_records", "read_jsonl",
+           "run_in_own_group", "run_recipe"]
 # For tests whose expectations hold only without GPUs (the CPU rehearsal of FSDP, gloo, the DataParallel fall-back).
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="expects a machine without GPUs (CPU rehearsal)")
 
@@ -103,3 +111,41 @@ def eval_loader(cfg, tokenizer):
 
     train_ds, eval_ds, names = data.prepare_datasets(cfg, tokenizer)
     return data.build_loaders(cfg, train_ds, eval_ds, tokenizer, world_size=1).eval, names
+
+
+def assert_pretrained_in_and_out(out: Path, folder: Path, dtype=torch.float32) -> None:
+    """A run of the pretrained encoder (a BertModel file: keys without the `bert.` prefix) started from the file's
+    tensors, each under the model's name for it, in the dtype the strategy holds weights in (rank 0's record, gathered
+    where sharded), and its final/ holds the model's own names (never LayerNorm.gamma, nor the file's unprefixed
+    ones) and loads back with nothing missing or left over. The file's `embeddings.position_ids` is a buffer that
+    transformers 5.23 keeps out of the state dict."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
+
+    from recipes.probe import fingerprint
+
+    files = {k: v for k, v in load_file(folder / "model.safetensors").items() if k != "embeddings.position_ids"}
+    own = {f"bert.{key}" for key in files} | {"classifier.weight", "classifier.bias"}
+    start = rank_records(out)[0]["start_weights"]
+    assert set(start) == own, set(start) ^ own
+    for key, tensor in files.items():
+        assert start[f"bert.{key}"]["sha256"] == fingerprint(tensor.to(dtype))["sha256"], key
+    assert set(load_file(out / "final" / "model.safetensors")) == own
+    model, info = AutoModelForSequenceClassification.from_pretrained(out / "final", output_loading_info=True)
+    assert not any(info.values()), info
+    assert set(model.state_dict()) == own
+
+
+def assert_follows(ref: Path, got: Path, atol: float, grad_norm_rtol: float, label: str, steps: int = 8) -> float:
+    """Run `got` followed run `ref` step by step: per-step losses within `atol`, pre-clip gradient norms within
+    `grad_norm_rtol` relative, the same last eval accuracy; prints and returns the largest loss difference."""
+    a, b = losses(ref), losses(got)
+    assert len(a) == len(b) == steps
+    delta = max(abs(x - y) for x, y in zip(a, b))
+    print(f"{label}: max |loss - reference loss| over {steps} steps = {delta:.3e}")
+    assert delta <= atol, (a, b)
+    norms = [[s["grad_norm"] for s in read_jsonl(out / "metrics.jsonl")] for out in (ref, got)]
+    print(f"{label}: grad norms {norms[1]} vs reference {norms[0]}")
+    assert norms[1] == pytest.approx(norms[0], rel=grad_norm_rtol, abs=0)
+    assert read_jsonl(got / "eval.jsonl")[-1]["accuracy"] == read_jsonl(ref / "eval.jsonl")[-1]["accuracy"]
+    return delta

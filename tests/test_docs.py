@@ -9,7 +9,7 @@ import re
 
 from helpers import REPO
 from recipes import config
-from scripts import bench_report
+from scripts import bench_report, demo_pretrained
 
 DOCS = [REPO / "README.md", REPO / "README_zh.md", *sorted((REPO / "docs").glob("*.md"))]
 # The three ratios the READMEs quote, as `make bench` names them in its results file.
@@ -20,9 +20,9 @@ POINTS = re.compile(r"[+\-−]\d+\.\d{2} points")
 
 def latest_results(kind: str = "bench") -> tuple[str, dict]:
     """The newest results file of `make bench` (<date>_<device>_<host>.json) or of `make bench BENCH=compile`
-    (<date>_compile_<device>_<host>.json)."""
+    (<date>_compile_<device>_<host>.json); the records of scripts/demo_pretrained.py are neither."""
     files = [p for p in (REPO / "results").glob("*.json") if ("_compile_" in p.name) == (kind == "compile")
-             and not p.name.startswith("gpu_check_")]  # the GPU check's records are not make bench's
+             and demo_pretrained.record_kind(p.stem) is None and not p.name.startswith("gpu_check_")]
     path = max(files, key=lambda p: p.name)
     return path.stem, json.loads(path.read_text())
 
@@ -116,3 +116,22 @@ def test_speed_page_quotes_the_latest_compile_results():
         assert f"{s['median']:.3f} (min {s['min']:.3f}, max {s['max']:.3f}" in speed, name
     assert bench_compile.ratio_lines(results)  # what the bench printed, in its results .md
 
+
+
+def test_pretrained_page_quotes_the_latest_records():
+    """docs/pretrained.md and docs/correctness.md give the figures of the latest `make demo-pretrained` records as
+    the records have them: each seed's eval accuracy and its mean, the validation scores that chose the learning rate
+    (and that rate is the demo's), the random-init figure the demo record quotes."""
+    records = {kind: demo_pretrained.latest_record(REPO / "results", kind) for kind in ("pretrained", "pretrained_lr",
+                                                                                        "random_init")}
+    page = (REPO / "docs" / "pretrained.md").read_text()
+    (_, demo), (lr_path, lr), (ri_path, ri) = records["pretrained"], records["pretrained_lr"], records["random_init"]
+    assert len(demo["runs"]) == 3 and f"**{demo['mean_accuracy']:.4f}**" in page
+    for run in demo["runs"]:
+        assert f"{run['accuracy']:.4f}" in page and f"{run['wall_s'] / 60:.1f} min" in page, run
+        assert run["learning_rate"] == demo_pretrained.DEMO_LR == lr["chosen_learning_rate"]
+    for rate, accuracy in lr["validation_accuracy_by_lr"].items():
+        assert f"{rate}: {accuracy:.4f}" in page, rate
+    assert demo["random_init"]["record"] == ri_path.stem and f"{ri['mean_accuracy']:.4f}" in page
+    for path in (lr_path, ri_path):
+        assert f"](../results/{path.stem}.md)" in page

@@ -124,6 +124,7 @@ class FakeGPUs:
         monkeypatch.setattr(gpu_check, "run_step", lambda command, timeout, env=None: subprocess.CompletedProcess(
             command, 0, "CPUAdamBuilder: built (0 s)"))
         monkeypatch.setattr(gpu_check, "write_initial_model", self.write_model)
+        monkeypatch.setattr(gpu_check, "PRETRAINED", tmp_path / "not-staged")  # the roberta-base shape's check
 
     @staticmethod
     def write_model(shape_dir, model_dir, seed=42):
@@ -322,6 +323,34 @@ def test_only_checks_the_named_configs_and_writes_their_results(fake_gpus, tmp_p
     assert "Selected with --only: fp16_single, single, zero2" in json_path.with_suffix(".md").read_text()
     with pytest.raises(SystemExit, match="--only zero4: not a config this check runs"):
         gpu_check.selection("single,zero4")
+
+
+def test_staged_pretrained_encoder_is_the_model_checked(fake_gpus, tmp_path, monkeypatch, pretrained_model,
+                                                        cut_pretrained):
+    """With artifacts/minilm staged, the check runs on it: its files copied as they are, dropout 0 in config.json;
+    a staged weight file that is not the pinned one stops the check with one line before anything runs."""
+    from scripts.fetch_pretrained import WEIGHTS_SHA256, sha256_of
+
+    monkeypatch.setattr(gpu_check, "PRETRAINED", pretrained_model)
+    runs = tmp_path / "runs"
+    # the models, the ops and the first 5 runs of 50 s (the sixth would end past 300 s)
+    assert gpu_check.run_checks(budget=300, started=fake_gpus.time, runs_root=runs, results_dir=tmp_path / "results",
+                                hard_limit=10_000) == 0
+    staged = runs / "minilm-nodropout"
+    assert sha256_of(staged / "model.safetensors") == WEIGHTS_SHA256
+    config, original = (json.loads((folder / "config.json").read_text()) for folder in (staged, pretrained_model))
+    assert config == {**original, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+    assert [name for name, _, _ in fake_gpus.calls][:2] == ["reference_b16", "reference_b32"]
+    assert len(fake_gpus.calls) == 5
+    for _, command, _ in fake_gpus.calls:
+        assert command[command.index("--model_name_or_path") + 1] == str(staged)
+    assert json.loads((runs / "state.json").read_text())["fingerprint"]["profile"]["models"][0]["name"] == "minilm"
+
+    monkeypatch.setattr(gpu_check, "PRETRAINED", cut_pretrained)
+    with pytest.raises(SystemExit) as stop:
+        gpu_check.run_checks(budget=120, started=fake_gpus.time, runs_root=tmp_path / "other", hard_limit=10_000)
+    assert str(stop.value).startswith(f"gpu-check: {cut_pretrained}/model.safetensors has SHA-256 ")
+    assert not (tmp_path / "other").exists()
 
 
 def test_one_gpu_plan_skips_dataparallel_and_multinode_with_reasons():

@@ -1,7 +1,8 @@
 """Every shipped strategy config, launched for real on 2 CPU processes (gloo), trains the same model.
 
-- Each config in accelerate_configs/ trains the tiny model to completion and leaves a final/ that loads, under the
-  model's own weight names; each starts from the checkpoint's weights (gathered where sharded).
+- Each config in accelerate_configs/ trains to completion and leaves a final/ that loads, under the model's own weight
+  names; each starts from the checkpoint's weights (gathered where sharded): the tiny model's, and for ZeRO-1 and the
+  offload configs a real pretrained checkpoint's (tests/test_pretrained.py runs the other configs on it).
 - Parity: in fp32 with one seed, FSDP, ZeRO-2 and ZeRO-3 follow DDP's per-step losses (DDP is the reference) and
   end at the same eval accuracy.
 - bf16 configs really compute in bf16 while master weights and optimizer state stay fp32.
@@ -18,8 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import (ACCELERATE, PARITY_FLAGS, REPO, TINY, TINY_FLAGS, eval_loader, fp32_launch_args, free_port,
-                     kill_group, losses, no_gpu, rank_records, read_jsonl, run_recipe)
+from helpers import (ACCELERATE, PARITY_FLAGS, PRETRAINED_DATA, REPO, TINY, TINY_FLAGS, assert_follows,
+                     assert_pretrained_in_and_out, eval_loader, fp32_launch_args, free_port, kill_group, losses, no_gpu,
+                     rank_records, read_jsonl, run_recipe)
 from recipes import cls, strategy
 from recipes.metrics import load_metrics
 from recipes.probe import fingerprint
@@ -53,6 +55,9 @@ OPTIMIZER_CHAIN = {
 # Extra flags of a shipped config's run: FSDP2 accumulates (2 micro-batches of 4 per step, the same 8 samples), so
 # the run shows the dtype its gradients are accumulated in between micro-batches.
 SHIPPED_FLAGS = {"fsdp.yaml": ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]}
+# The configs whose run starts from all-MiniLM-L6-v2 cut to 2 layers (conftest's cut_pretrained), a real checkpoint
+# with its own key names, on the Rotten Tomatoes snippets: no other test launches them on it.
+FROM_PRETRAINED = {"zero1.yaml", "zero2_offload.yaml", "zero3_offload.yaml"}
 # Pre-clip gradient norms vs DDP, relative: the same float32 reduction-order noise as the losses. AdamW is nearly
 # blind to a constant factor on the gradient and clipping rescales it, so only the norm shows a wrong scale.
 GRAD_NORM_RTOL = 1e-5
@@ -78,9 +83,12 @@ def test_shipped_config_trains_to_completion(request, tmp_path, config):
         tmp_path = request.getfixturevalue("ddp_parity_reference")
     else:
         request.getfixturevalue("tiny_model")
+        model_flags = ["--model_name_or_path", str(request.getfixturevalue("cut_pretrained")), *PRETRAINED_DATA] \
+            if config in FROM_PRETRAINED else []
         # --cpu_threads 0 (the default; the tests pin 1): accelerate launch's OMP_NUM_THREADS=1 is overridden by the
         # machine's cores / the processes on it
-        run_recipe(tmp_path, *PARITY_FLAGS, "--cpu_threads", "0", *SHIPPED_FLAGS.get(config, []), config=config)
+        run_recipe(tmp_path, *model_flags, *PARITY_FLAGS, "--cpu_threads", "0", *SHIPPED_FLAGS.get(config, []),
+                   config=config)
     resolved = json.loads((tmp_path / "run_config.json").read_text())
     world = 1 if config == "single.yaml" else 2
     assert resolved["cpu_threads"] == (1 if config == "ddp.yaml" else max(1, strategy.available_cores() // world))
@@ -95,12 +103,15 @@ def test_shipped_config_trains_to_completion(request, tmp_path, config):
     assert set(load_file(tmp_path / "final" / "model.safetensors")) == set(model.state_dict())
     # the run started from the checkpoint's files, gathered where sharded, in the dtype the strategy holds weights in
     # (DeepSpeed casts the module to bf16; FSDP2 keeps fp32 shards; the classifier is new, from the seed)
-    start = rank_records(tmp_path)[0]["start_weights"]
     held = torch.bfloat16 if config.startswith("zero") else torch.float32
-    files = load_file(TINY / "model.safetensors")
-    assert len(start) == len(files) + 4  # + classifier.dense and classifier.out_proj, weight and bias
-    for key, tensor in files.items():
-        assert start[f"roberta.{key}"]["sha256"] == fingerprint(tensor.to(held))["sha256"], key
+    if config in FROM_PRETRAINED:
+        assert_pretrained_in_and_out(tmp_path, request.getfixturevalue("cut_pretrained"), held)
+    else:
+        start = rank_records(tmp_path)[0]["start_weights"]
+        files = load_file(TINY / "model.safetensors")
+        assert len(start) == len(files) + 4  # + classifier.dense and classifier.out_proj, weight and bias
+        for key, tensor in files.items():
+            assert start[f"roberta.{key}"]["sha256"] == fingerprint(tensor.to(held))["sha256"], key
     assert all(math.isfinite(loss) for loss in losses(tmp_path))
     # final/ re-evaluated in one process, fp32, gives the run's last eval: exactly for the fp32 configs; the bf16
     # ones evaluated in bf16, which may flip a prediction near the boundary: at most 2 of the 101 examples.
@@ -108,7 +119,8 @@ def test_shipped_config_trains_to_completion(request, tmp_path, config):
     from transformers import AutoTokenizer
 
     final = tmp_path / "final"
-    cfg = cls.parse_config(["--model_name_or_path", str(final), *TINY_FLAGS[2:]])
+    cfg = cls.parse_config(["--model_name_or_path", str(final), *TINY_FLAGS[2:],
+                            *(PRETRAINED_DATA if config in FROM_PRETRAINED else [])])
     eval_dl, _ = eval_loader(cfg, AutoTokenizer.from_pretrained(final))
     single = cls.evaluate(model, eval_dl, Accelerator(cpu=True), load_metrics())
     reported = read_jsonl(tmp_path / "eval.jsonl")[-1]
@@ -142,15 +154,7 @@ def test_fp32_losses_match_ddp(ddp_parity_reference, tmp_path, config):
     ref_dir = ddp_parity_reference
     run_recipe(tmp_path, *PARITY_FLAGS, config=config, launch_args=fp32_launch_args(config, tmp_path))
     assert json.loads((tmp_path / "run_config.json").read_text())["mixed_precision"] == "no"
-    ref, got = losses(ddp_parity_reference), losses(tmp_path)
-    assert len(got) == len(ref) == 8
-    delta = max(abs(a - b) for a, b in zip(ref, got))
-    print(f"{config}: max |loss - ddp loss| over 8 steps = {delta:.3e}")
-    assert delta <= PARITY_ATOL[config], (ref, got)
-    norms = [[s["grad_norm"] for s in read_jsonl(out / "metrics.jsonl")] for out in (ddp_parity_reference, tmp_path)]
-    print(f"{config}: grad norms {norms[1]} vs ddp {norms[0]}")
-    assert norms[1] == pytest.approx(norms[0], rel=GRAD_NORM_RTOL, abs=0)
-    assert read_jsonl(tmp_path / "eval.jsonl")[-1]["accuracy"] == read_jsonl(ref_dir / "eval.jsonl")[-1]["accuracy"]
+    assert_follows(ref_dir, tmp_path, PARITY_ATOL[config], GRAD_NORM_RTOL, f"{config} vs ddp")
     # The same samples in the same order on each rank, whatever the strategy.
     assert [r["sample_ids"] for r in rank_records(tmp_path)] == [r["sample_ids"] for r in rank_records(ref_dir)]
     final_ref, _ = load_final(ddp_parity_reference)
