@@ -253,8 +253,9 @@ def find_checkpoint(cfg, world_size: int) -> ResumePoint:
                        contract=state.get("contract"), finished=state.get("finished", False))
 
 
-def load_checkpoint(accelerator, optimizer, start: ResumePoint, seed: int) -> None:
-    """`accelerator.load_state`, then check the RNG state really came back; set up what a new world needs.
+def load_checkpoint(accelerator, optimizer, scheduler, start: ResumePoint, seed: int) -> None:
+    """`accelerator.load_state`, then check the RNG state really came back; set up what a new world needs; keep the
+    schedule on the optimizer that steps (schedule_stepping_groups).
 
     Accelerate 1.15.0 swallows any error while restoring RNG states (it logs "Could not load random states" at info
     level) and the run would silently draw other dropout masks; here that fails the resume instead. A rank that did
@@ -265,6 +266,7 @@ def load_checkpoint(accelerator, optimizer, start: ResumePoint, seed: int) -> No
     rank = accelerator.process_index
     accelerator.load_state(str(start.path))
     elastic.after_load(accelerator, optimizer, start)
+    schedule_stepping_groups(optimizer, scheduler)
     if rank >= start.saved_world:
         elastic.seed_new_rank(seed, rank, start.step)
         return
@@ -273,6 +275,30 @@ def load_checkpoint(accelerator, optimizer, start: ResumePoint, seed: int) -> No
         raise RecipeError(f"checkpoint {start.path}: the CPU RNG state of rank {rank} was not restored")
     if torch.cuda.is_available():
         restore_cuda_rng(saved, start, rank)
+
+
+def schedule_stepping_groups(optimizer, scheduler) -> None:
+    """Point the learning-rate schedule at the param groups of the optimizer that steps, after a load.
+
+    With `offload_optimizer`, Accelerate 1.15.0 gives DeepSpeed a DeepSpeedCPUAdam built on the recipe's AdamW's
+    param-group dicts (`map_pytorch_optim_to_deepspeed`) and leaves torch's schedule on that AdamW. Loading a checkpoint
+    of the same world, DeepSpeed 0.19.8 (stage_1_and_2 `_load_legacy_checkpoint`, stage3 `_rigid_load_state_dict`)
+    calls torch's `Optimizer.load_state_dict` on the CPU Adam, which replaces its group dicts with new ones: the
+    schedule then wrote its rates into dicts nothing read, each step after the resume used the rate saved in the
+    checkpoint, and metrics.jsonl logged the schedule's rate (measured: zero2_offload.yaml, linear decay, resumed at
+    step 4 of 8: the losses left the uninterrupted run's at step 7, 0.7402 against 0.7584 at step 8). Without offload
+    the schedule's optimizer is the one that steps and this changes nothing.
+    """
+    from recipes.memstats import innermost_optimizer
+
+    schedule = getattr(scheduler, "scheduler", scheduler)  # Accelerate's wrapper keeps torch's scheduler
+    stepping = innermost_optimizer(optimizer)
+    if schedule.optimizer is not stepping:
+        schedule.optimizer = stepping
+    rates = [group["lr"] for group in stepping.param_groups]
+    if rates != schedule.get_last_lr():
+        raise RecipeError(f"checkpoint: the optimizer resumes at learning rates {rates}, its schedule at "
+                          f"{schedule.get_last_lr()}")
 
 
 def restore_cuda_rng(saved: dict, start: ResumePoint, rank: int) -> None:

@@ -272,7 +272,7 @@ def main(cfg: Config) -> dict:
                       f"precision {accelerator.mixed_precision}")
     set_seed(cfg.seed, device_specific=True)  # per-rank dropout streams, identical whatever the strategy's init did
     if start.path:
-        checkpoint.load_checkpoint(accelerator, optimizer, start, cfg.seed)  # model, optimizer, scheduler, RNGs
+        checkpoint.load_checkpoint(accelerator, optimizer, scheduler, start, cfg.seed)  # model, optimizer, RNGs
         kernels.apply_after_load(optimizer, cfg.optim, accelerator.device)  # --optim, not the checkpoint's choice
         contract.apply_changes(start.changes, cfg, optimizer, scheduler)  # --force_resume: the new rate, decay
         accelerator.print(f"resumed from {start.path} at step {start.step}")

@@ -208,12 +208,14 @@ def test_resume_restores_the_cuda_rng_of_the_device_the_rank_saved_on(monkeypatc
 
     accelerator = SimpleNamespace(process_index=rank, load_state=accelerate_load_state,
                                   state=SimpleNamespace(deepspeed_plugin=None))
-    checkpoint.load_checkpoint(accelerator, None, start, 42)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    checkpoint.load_checkpoint(accelerator, optimizer, scheduler, start, 42)
     assert torch.equal(cuda.states[now_on], saved_states[saved_on])  # this rank's own stream, on its device now
     start.cuda_devices = [None] * rank + [n_saved] + [None] * (7 - rank)  # a device the saved file has no state of
     with pytest.raises(RecipeError, match=f"rank {rank} saved from cuda:{n_saved}, but random_states_{rank}.pkl "
                                           f"holds CUDA RNG states for {n_saved} device"):
-        checkpoint.load_checkpoint(accelerator, None, start, 42)
+        checkpoint.load_checkpoint(accelerator, optimizer, scheduler, start, 42)
 
 
 def test_checkpoint_records_the_cuda_device_of_each_rank(monkeypatch, tmp_path):
