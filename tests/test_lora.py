@@ -1,0 +1,275 @@
+"""LoRA through PEFT (--use_peft, recipes/adapters.py) on the pretrained encoder cut to 2 layers (conftest's
+`cut_pretrained`: BERT, so a pooler, which the recipe trains in full with the classifier), fp32 without dropout.
+
+One reference run (one process, `python recipes/cls.py --data_parallel`: on this CPU-only machine nn.DataParallel falls
+back to one device, the way tests/test_recipe.py rehearses it; DataParallel over several GPUs did not run here), and
+one launch per strategy, each checked for several things:
+- per-step losses of DDP, FSDP2, ZeRO-2 and ZeRO-3 (2 processes) follow the one-process run within LOSS_ATOL;
+- final/adapter/ of FSDP2 and ZeRO-3 is complete: every tensor equals the one-process run's within ADAPTER_ATOL, the
+  half that rank 1 holds (FSDP2's dim-0 shard, ZeRO-3's flat partition) included, and changed from init;
+- merged final/ gives the logits of base + adapter within MERGE_ATOL, loads in pipeline(), and its frozen tensors are
+  bit-identical to the pretrained file; the adapter loads from a copy of the folder elsewhere, also through
+  AutoPeftModelForSequenceClassification; the same under the shipped bf16 ZeRO-3 config, whose engine holds the base
+  in bf16 (a merge from the engine's copy would round every frozen tensor);
+- the live model's frozen weights in the last checkpoint are bit-identical to the pretrained file;
+- a resume mid-run equals the uninterrupted run (same process count: exactly; from DDP's 2-process checkpoint on one
+  process: within LOSS_ATOL).
+In-process, no launch: the bad-input lines, and the adapter folder's size against the predicted trainable count.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import PRETRAINED_DATA, fp32_launch_args, losses, no_gpu, run_recipe
+from recipes import RecipeError, adapters, cls, flag_checks
+
+# 8 steps of 16 snippets (2 x 8 on two processes), a checkpoint every 4; rank 4 on every linear of the 2 layers
+LORA = ["--use_peft", "--lora_r", "4", "--lora_dropout", "0"]
+RUN = [*PRETRAINED_DATA, *LORA, "--max_train_steps", "8", "--checkpointing_steps", "4", "--learning_rate", "1e-3"]
+# Bounds measured here (see each test's print): filled in below from the measured values with a margin.
+LOSS_ATOL = 5e-6
+ADAPTER_ATOL = 5e-6
+MERGE_ATOL = 1e-5
+TEXTS = ["a gripping, beautifully acted film", "dull and far too long", "not bad at all"]
+
+pytestmark = no_gpu  # CPU rehearsal: gloo, FSDP and DeepSpeed on CPU
+
+
+def model_flag(cut_pretrained):
+    return ["--model_name_or_path", str(cut_pretrained)]
+
+
+@pytest.fixture(scope="module")
+def reference(cut_pretrained, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora_one_process")
+    run_recipe(out, *model_flag(cut_pretrained), *RUN, "--per_device_train_batch_size", "16", "--data_parallel",
+               config=None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(cut_pretrained, tmp_path_factory):
+    """One 2-process launch per config, made once and shared ("zero3_bf16.yaml": the shipped zero3.yaml as it is)."""
+    made = {}
+
+    def get(config: str):
+        if config not in made:
+            out = tmp_path_factory.mktemp(config.replace(".yaml", ""))
+            shipped = config.replace("_bf16", "")
+            launch = [] if config.endswith("_bf16.yaml") else fp32_launch_args(shipped, out)
+            run_recipe(out / "run", *model_flag(cut_pretrained), *RUN, "--per_device_train_batch_size", "8",
+                       config=shipped, launch_args=launch)
+            made[config] = out / "run"
+        return made[config]
+    return get
+
+
+def logits(model, tokenizer) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(**tokenizer(TEXTS, return_tensors="pt", padding=True)).logits.float()
+
+
+def assert_merged_equals_base_plus_adapter(out, cut_pretrained, tmp_path, label: str) -> float:
+    """final/ against the fp32 base + final/adapter/ (read from a copy on another path); returns the max difference."""
+    from peft import AutoPeftModelForSequenceClassification, PeftModel
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
+
+    copy = tmp_path / f"adapter_copy_{label}"
+    shutil.copytree(out / "final" / "adapter", copy)
+    tokenizer = AutoTokenizer.from_pretrained(out / "final")
+    merged = AutoModelForSequenceClassification.from_pretrained(out / "final", dtype=torch.float32)
+    config = merged.config
+    base = AutoModelForSequenceClassification.from_pretrained(cut_pretrained, config=config, dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, copy)
+    auto = AutoPeftModelForSequenceClassification.from_pretrained(copy)  # the base named in adapter_config.json
+    want, got, via_auto = logits(adapted, tokenizer), logits(merged, tokenizer), logits(auto, tokenizer)
+    delta = float((want - got).abs().max())
+    print(f"{label}: max |merged final/ logits - base + adapter logits| = {delta:.3e}")
+    assert delta <= MERGE_ATOL
+    assert torch.equal(want, via_auto)
+    predictions = pipeline("text-classification", model=str(out / "final"), device="cpu")(TEXTS)
+    assert [p["label"] for p in predictions] == [config.id2label[int(i)] for i in got.argmax(-1)]
+    return delta
+
+
+def assert_frozen_tensors_bit_identical(merged: dict, cut_pretrained, targets_changed: bool = True) -> None:
+    """merged final/'s tensors that LoRA does not touch (embeddings, norms, biases) equal the file's bit for bit;
+    the adapted weights, the pooler and the classifier changed."""
+    files = {f"bert.{k}": v for k, v in load_file(cut_pretrained / "model.safetensors").items()
+             if k != "embeddings.position_ids"}
+    assert set(merged) == set(files) | {"classifier.weight", "classifier.bias"}
+    adapted = {k for k in files if k.startswith("bert.encoder.layer.") and k.endswith(".weight")
+               and "LayerNorm" not in k}
+    assert len(adapted) == 2 * 6
+    for key, tensor in files.items():
+        same = torch.equal(merged[key], tensor)
+        assert same == (key not in adapted and not key.startswith("bert.pooler.")), key
+
+
+@pytest.mark.multiproc
+def test_one_process_trains_adapter_and_head_only(reference, cut_pretrained, tmp_path):
+    config = json.loads((reference / "run_config.json").read_text())
+    assert config["mixed_precision"] == "no" and config["world_size"] == 1
+    assert len(losses(reference)) == 8
+    merged = load_file(reference / "final" / "model.safetensors")
+    assert_frozen_tensors_bit_identical(merged, cut_pretrained)
+    assert_merged_equals_base_plus_adapter(reference, cut_pretrained, tmp_path, "one process")
+    # the live model's frozen base in the last checkpoint: the pretrained tensors, bit for bit
+    state = load_file(reference / "checkpoints" / "step_8" / "model.safetensors")
+    files = load_file(cut_pretrained / "model.safetensors")
+    frozen = {k: v for k, v in state.items() if "lora_" not in k and "modules_to_save" not in k}
+    checked = 0
+    for key, tensor in frozen.items():
+        plain = key.replace("base_model.model.bert.", "").replace(".base_layer.", ".")
+        plain = plain.replace(".original_module.", ".")
+        if plain in files:
+            assert torch.equal(tensor, files[plain]), key
+            checked += 1
+    assert checked == len(files) - 1  # every file tensor but the position ids buffer
+    adapter = load_file(reference / "final" / "adapter" / "adapter_model.safetensors")
+    head = {k for k in adapter if "lora_" not in k}
+    assert head == {"base_model.model.bert.pooler.dense.weight", "base_model.model.bert.pooler.dense.bias",
+                    "base_model.model.classifier.weight", "base_model.model.classifier.bias"}, head
+    assert sum("lora_A" in k for k in adapter) == sum("lora_B" in k for k in adapter) == 2 * 6
+    best = load_file(reference / "best" / "adapter" / "adapter_model.safetensors")
+    assert set(best) == set(adapter)
+    base_name = json.loads((reference / "final" / "adapter" / "adapter_config.json").read_text())
+    assert base_name["base_model_name_or_path"] == str(cut_pretrained.resolve())
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("config", ["ddp.yaml", "fsdp.yaml", "zero2.yaml", "zero3.yaml"])
+def test_strategies_follow_one_process(reference, runs, cut_pretrained, tmp_path, config):
+    out = runs(config)
+    a, b = losses(reference), losses(out)
+    delta = max(abs(x - y) for x, y in zip(a, b))
+    print(f"lora {config} (2 processes) vs one process: max |loss difference| over 8 steps = {delta:.3e}")
+    assert len(a) == len(b) == 8 and delta <= LOSS_ATOL, (a, b)
+    want = load_file(reference / "final" / "adapter" / "adapter_model.safetensors")
+    got = load_file(out / "final" / "adapter" / "adapter_model.safetensors")
+    assert set(got) == set(want)
+    worst = 0.0
+    for key, tensor in got.items():
+        assert tensor.numel() > 0 and tensor.shape == want[key].shape, key
+        worst = max(worst, float((tensor - want[key]).abs().max()))
+        flat = tensor.flatten()
+        rank1 = flat[flat.numel() // 2:]  # the second half: rank 1's shard (FSDP2 dim 0) or partition (ZeRO-3)
+        if "lora_B" in key:  # zero at init
+            assert rank1.abs().max() > 0, key
+    print(f"lora {config}: max |adapter tensor - one process's| = {worst:.3e}")
+    assert worst <= ADAPTER_ATOL
+    assert_frozen_tensors_bit_identical(load_file(out / "final" / "model.safetensors"), cut_pretrained)
+    if config in ("fsdp.yaml", "zero3.yaml"):
+        assert_merged_equals_base_plus_adapter(out, cut_pretrained, tmp_path, config)
+
+
+@pytest.mark.multiproc
+def test_bf16_zero3_merges_from_the_fp32_base(runs, cut_pretrained, tmp_path):
+    out = runs("zero3_bf16.yaml")
+    assert json.loads((out / "run_config.json").read_text())["mixed_precision"] == "bf16"
+    assert_frozen_tensors_bit_identical(load_file(out / "final" / "model.safetensors"), cut_pretrained)
+    adapter = load_file(out / "final" / "adapter" / "adapter_model.safetensors")
+    assert {t.dtype for t in adapter.values()} == {torch.float32}
+    # fp32 values, not bf16 ones widened: some low mantissa bits set
+    assert any(bool(((t.view(torch.int32) & 0xFFFF) != 0).any()) for k, t in adapter.items() if "lora_B" in k)
+    assert_merged_equals_base_plus_adapter(out, cut_pretrained, tmp_path, "zero3 bf16")
+
+
+@pytest.mark.multiproc
+def test_resume_mid_run_equals_the_uninterrupted_run(reference, runs, cut_pretrained, tmp_path):
+    again = tmp_path / "same_count"
+    shutil.copytree(reference / "checkpoints" / "step_4", again / "checkpoints" / "step_4")
+    run_recipe(again, *model_flag(cut_pretrained), *RUN, "--per_device_train_batch_size", "16", "--data_parallel",
+               "--resume_from_checkpoint", str(again / "checkpoints" / "step_4"), config=None)
+    assert losses(again) == losses(reference)[4:]
+    assert load_file(again / "final" / "adapter" / "adapter_model.safetensors").keys() == \
+        load_file(reference / "final" / "adapter" / "adapter_model.safetensors").keys()
+    for key, tensor in load_file(again / "final" / "adapter" / "adapter_model.safetensors").items():
+        assert torch.equal(tensor, load_file(reference / "final" / "adapter" / "adapter_model.safetensors")[key])
+    # DDP's 2-process checkpoint resumed on one process
+    other = tmp_path / "other_count"
+    shutil.copytree(runs("ddp.yaml") / "checkpoints" / "step_4", other / "checkpoints" / "step_4")
+    run_recipe(other, *model_flag(cut_pretrained), *RUN, "--per_device_train_batch_size", "16",
+               "--resume_from_checkpoint", str(other / "checkpoints" / "step_4"), config="single.yaml",
+               launch_args=fp32_launch_args("single.yaml", tmp_path))
+    delta = max(abs(x - y) for x, y in zip(losses(other), losses(reference)[4:]))
+    print(f"lora ddp step 4 resumed on one process: max |loss difference| over steps 5-8 = {delta:.3e}")
+    assert len(losses(other)) == 4 and delta <= LOSS_ATOL
+
+
+# ---- in-process: bad input, DataParallel unwrapping, the adapter's size ------------------------------------------
+
+def refusal(check, *flags) -> str:
+    with pytest.raises(RecipeError) as caught:
+        check(cls.parse_config(["--output_dir", "/nonexistent/out", *flags]))
+    assert "\n" not in str(caught.value)
+    return str(caught.value)
+
+
+def test_lora_flags_without_use_peft_is_one_line():
+    with pytest.raises(RecipeError) as caught:
+        cls.parse_config(["--lora_r", "16", "--lora_target_modules", "query"])
+    assert str(caught.value) == "--lora_r, --lora_target_modules without --use_peft: add --use_peft to train LoRA " \
+                                "adapters"
+
+
+def test_missing_peft_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft then raises ImportError
+    with pytest.raises(RecipeError) as caught:
+        cls.parse_config(["--use_peft"])
+    assert str(caught.value) == f"--use_peft needs the peft package: {adapters.INSTALL}"
+
+
+def test_target_naming_no_module_is_one_line(cut_pretrained):
+    line = refusal(flag_checks.check_model_source, "--model_name_or_path", str(cut_pretrained), "--use_peft",
+                   "--lora_target_modules", "query,q_proj")
+    assert line.startswith("--lora_target_modules q_proj: no module of BertForSequenceClassification is named so")
+
+
+def test_default_targets_are_the_layers_linears_not_pooler_or_head(cut_pretrained):
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(cut_pretrained)
+    targets = adapters.default_targets(model)
+    assert len(targets) == 2 * 6 and not any("pooler" in t or "classifier" in t for t in targets)
+    assert adapters.head_modules(model) == ["classifier", "bert.pooler"]
+
+
+def test_data_parallel_unwraps_to_the_adapted_model(cut_pretrained, tmp_path):
+    """nn.DataParallel on CPU (no GPU: it calls the module itself): the trained state is read from the module
+    Accelerate unwraps, with PEFT's names."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForSequenceClassification
+
+    cfg = cls.parse_config(["--model_name_or_path", str(cut_pretrained), "--output_dir", str(tmp_path), *LORA])
+    model = adapters.apply(cfg, AutoModelForSequenceClassification.from_pretrained(cut_pretrained))
+    accelerator = Accelerator(cpu=True)
+    state = adapters.trained_state(accelerator, accelerator.unwrap_model(torch.nn.DataParallel(model)))
+    assert set(state) == {n for n, p in model.named_parameters() if p.requires_grad} and len(state) == 2 * 12 + 4
+
+
+def test_adapter_size_matches_the_predicted_trainable_count(tmp_path):
+    """roberta-large's shape (random init, no training step): adapter_model.safetensors holds the predicted
+    trainable count of fp32 values, within 1% (the file's header and names are the rest)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from helpers import REPO
+
+    folder = REPO / "artifacts" / "roberta-large-shape"
+    config = AutoConfig.from_pretrained(folder, num_labels=2)
+    cfg = cls.parse_config(["--model_name_or_path", str(folder), "--output_dir", str(tmp_path), "--use_peft"])
+    model = adapters.apply(cfg, AutoModelForSequenceClassification.from_config(config))
+    predicted = adapters.trainable_count(config, cfg.lora_r, 2)
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == predicted["total"]
+    model.save_pretrained(tmp_path / "adapter")
+    size = (tmp_path / "adapter" / "adapter_model.safetensors").stat().st_size
+    print(f"roberta-large shape, r {cfg.lora_r}: {predicted} trainable, file {size} bytes, "
+          f"{size / (4 * predicted['total']) - 1:+.4%} over 4 bytes each")
+    assert abs(size / (4 * predicted["total"]) - 1) <= 0.01
