@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -102,6 +103,17 @@ def apply(cfg, model):
     lora = LoraConfig(task_type="SEQ_CLS", r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=targets, modules_to_save=head_modules(model))
     adapted = get_peft_model(model, lora)
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        # The base was built partitioned in the engine's 16-bit dtype (zero.Init) and DeepSpeed 0.19.8 casts no module
+        # it finds so built, while PEFT 0.21.2 makes the adapters in fp32: ZeRO-3's optimizer then fails on partitions
+        # of two dtypes (zero/utils.py defragment). The adapters take the base's dtype; the fp32 master copy of them
+        # is the optimizer's, as for every ZeRO-1/2 parameter, which the engine casts to 16 bits itself.
+        dtype = next(p.dtype for p in adapted.parameters() if not p.requires_grad)
+        for param in adapted.parameters():
+            if param.requires_grad and param.dtype != dtype:
+                param.data = param.data.to(dtype)
     # adapter_config.json's base: the Hub id where there is one, else the folder as an absolute path, so that a copy
     # of adapter/ elsewhere still finds its base.
     source = Path(cfg.model_name_or_path)
@@ -112,7 +124,12 @@ def apply(cfg, model):
 
 
 def is_adapted(model) -> bool:
-    return type(model).__module__.startswith("peft.")
+    """A PEFT model (also after FSDP2's `fully_shard`, which swaps in a class of its own deriving from the model's)."""
+    if "peft" not in sys.modules:  # never imported: no model of this run is a PEFT one
+        return False
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
 
 
 def trained_state(accelerator, model) -> dict[str, torch.Tensor]:
