@@ -120,6 +120,9 @@ def apply(cfg, model):
     adapted.peft_config["default"].base_model_name_or_path = str(source.resolve()) if source.is_dir() \
         else cfg.model_name_or_path
     adapted.peft_config["default"].revision = None if source.is_dir() else cfg.revision
+    # how the merged model reads that base again at save time (flag_checks.loading_kwargs, which imports this module)
+    adapted.base_loading = {"revision": cfg.revision, "cache_dir": cfg.cache_dir,
+                            "trust_remote_code": cfg.trust_remote_code}
     return adapted
 
 
@@ -192,7 +195,8 @@ def merge(model, adapter: Path):
     source = model.peft_config["default"].base_model_name_or_path
     config = model.get_base_model().config
     with zero3_loading_off():
-        base = AutoModelForSequenceClassification.from_pretrained(source, config=config, dtype=torch.float32)
+        base = AutoModelForSequenceClassification.from_pretrained(source, config=config, dtype=torch.float32,
+                                                                  **getattr(model, "base_loading", {}))
     return PeftModel.from_pretrained(base, adapter).merge_and_unload()
 
 
@@ -206,9 +210,14 @@ def trainable_count(config, r: int, num_labels: int) -> dict:
     return {"adapter": adapter, "head": head, "total": adapter + head}
 
 
-def adapter_summary(model) -> dict:
-    """Trainable and total parameter counts of an adapted model (run_config.json)."""
-    trainable = sum(fsdp_wrap.numel(p) for p in model.parameters() if p.requires_grad)
-    total = sum(fsdp_wrap.numel(p) for p in model.parameters())
-    return {"trainable": trainable, "total": total, "config": json.loads(json.dumps(
-        model.peft_config["default"].to_dict(), default=str))}
+def describe(model) -> dict:
+    """run_config.json's "lora" entry: the adapter's settings as PEFT holds them and the parameter counts (the base,
+    the adapters, the head's trained copy); empty without --use_peft."""
+    if not is_adapted(model):
+        return {}
+    lora = model.peft_config["default"]
+    return {"lora": {"r": lora.r, "alpha": lora.lora_alpha, "dropout": lora.lora_dropout,
+                     "target_modules": sorted(lora.target_modules) if isinstance(lora.target_modules, (set, list))
+                     else lora.target_modules, "modules_to_save": sorted(set(lora.modules_to_save or ())),
+                     "trainable_params": sum(fsdp_wrap.numel(p) for p in model.parameters() if p.requires_grad),
+                     "all_params": sum(fsdp_wrap.numel(p) for p in model.parameters())}}

@@ -261,7 +261,8 @@ def main(cfg: Config) -> dict:
         resolved = {**records.describe_run(cfg, accelerator, total_steps, len(train_ds), len(eval_ds)),
                     "training_contract": terms.record(),
                     "long_run": run.describe(), **micro_batch.describe(fitted, accelerator),
-                    "kernels": kernels.describe(accelerator.unwrap_model(model), optimizer)}
+                    "kernels": kernels.describe(accelerator.unwrap_model(model), optimizer),
+                    **adapters.describe(accelerator.unwrap_model(model))}  # --use_peft: "lora", its counts
         (out / "run_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
     accelerator.init_trackers("cls", config=records.tracker_config(asdict(cfg)))
     with accelerator.main_process_first():  # rank 0 copies the metric modules into evaluate's cache first

@@ -139,7 +139,8 @@ def lora_skeleton(model, lora_r: int):
     from recipes import adapters
 
     flags = SimpleNamespace(use_peft=True, lora_r=lora_r, lora_alpha=adapters.LORA_DEFAULTS["lora_alpha"],
-                            lora_dropout=0.0, lora_target_modules=None, model_name_or_path="", revision="main")
+                            lora_dropout=0.0, lora_target_modules=None, model_name_or_path="", revision="main",
+                            cache_dir=None, trust_remote_code=False)
     with torch.device("meta"):
         return adapters.apply(flags, model)
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import PRETRAINED_DATA, fp32_launch_args, losses, no_gpu, run_recipe
+from helpers import PRETRAINED_DATA, fp32_launch_args, losses, no_gpu, rank_records, run_recipe
 from recipes import RecipeError, adapters, cls, flag_checks
 
 # 8 steps of 16 snippets (2 x 8 on two processes), a checkpoint every 4; rank 4 on every linear of the 2 layers
@@ -119,10 +119,19 @@ def assert_frozen_tensors_bit_identical(merged: dict, cut_pretrained, targets_ch
         assert same == (key not in adapted and not key.startswith("bert.pooler.")), key
 
 
+def file_key(peft_key: str) -> str:
+    """The pretrained file's name (a BertModel file: no `bert.` prefix) of a frozen tensor of the PEFT model."""
+    return peft_key.replace("base_model.model.bert.", "").replace(".base_layer.", ".").replace(".original_module.", ".")
+
+
 @pytest.mark.multiproc
 def test_one_process_trains_adapter_and_head_only(reference, cut_pretrained, tmp_path):
+    from transformers import AutoConfig
+
     config = json.loads((reference / "run_config.json").read_text())
     assert config["mixed_precision"] == "no" and config["world_size"] == 1
+    predicted = adapters.trainable_count(AutoConfig.from_pretrained(cut_pretrained), 4, 2)["total"]
+    assert config["lora"]["trainable_params"] == predicted and config["lora"]["r"] == 4
     assert len(losses(reference)) == 8
     merged = load_file(reference / "final" / "model.safetensors")
     assert_frozen_tensors_bit_identical(merged, cut_pretrained)
@@ -133,10 +142,8 @@ def test_one_process_trains_adapter_and_head_only(reference, cut_pretrained, tmp
     frozen = {k: v for k, v in state.items() if "lora_" not in k and "modules_to_save" not in k}
     checked = 0
     for key, tensor in frozen.items():
-        plain = key.replace("base_model.model.bert.", "").replace(".base_layer.", ".")
-        plain = plain.replace(".original_module.", ".")
-        if plain in files:
-            assert torch.equal(tensor, files[plain]), key
+        if file_key(key) in files:
+            assert torch.equal(tensor, files[file_key(key)]), key
             checked += 1
     assert checked == len(files) - 1  # every file tensor but the position ids buffer
     adapter = load_file(reference / "final" / "adapter" / "adapter_model.safetensors")
@@ -208,6 +215,32 @@ def test_resume_mid_run_equals_the_uninterrupted_run(reference, runs, cut_pretra
     delta = max(abs(x - y) for x, y in zip(losses(other), losses(reference)[4:]))
     print(f"lora ddp step 4 resumed on one process: max |loss difference| over steps 5-8 = {delta:.3e}")
     assert len(losses(other)) == 4 and delta <= LOSS_ATOL
+
+
+@pytest.mark.multiproc
+def test_zero3_resume_on_one_process_keeps_the_frozen_base(reference, runs, cut_pretrained, tmp_path):
+    """ZeRO-3's 2-process checkpoint on one process: the universal conversion carries only the optimizer's
+    partitions (adapters + head), so the frozen base is the one built from the pretrained files; the weights the
+    resumed run starts from (--record_ranks: fingerprints gathered after the load) are the file's, bit for bit."""
+    from recipes.probe import fingerprint
+
+    out = tmp_path / "zero3_to_one"
+    shutil.copytree(runs("zero3.yaml") / "checkpoints" / "step_4", out / "checkpoints" / "step_4")
+    launch = fp32_launch_args("zero3.yaml", tmp_path) + ["--num_processes", "1"]
+    run_recipe(out, *model_flag(cut_pretrained), *RUN, "--per_device_train_batch_size", "16", "--record_ranks",
+               "--resume_from_checkpoint", str(out / "checkpoints" / "step_4"), config="zero3.yaml",
+               launch_args=launch)
+    assert (out / "checkpoints" / "step_4.universal").is_dir()
+    delta = max(abs(x - y) for x, y in zip(losses(out), losses(reference)[4:]))
+    print(f"lora zero3 step 4 resumed on one process (universal): max |loss difference| over steps 5-8 = {delta:.3e}")
+    assert len(losses(out)) == 4 and delta <= LOSS_ATOL
+    files = load_file(cut_pretrained / "model.safetensors")
+    start = rank_records(out)[0]["start_weights"]
+    frozen = {k: v for k, v in start.items() if file_key(k) in files and "lora_" not in k
+              and "modules_to_save" not in k}
+    assert len(frozen) == len(files) - 1  # every file tensor but the position ids buffer
+    for key, seen in frozen.items():
+        assert seen["sha256"] == fingerprint(files[file_key(key)])["sha256"], key
 
 
 # ---- in-process: bad input, DataParallel unwrapping, the adapter's size ------------------------------------------
