@@ -96,6 +96,7 @@ def apply(cfg, model):
     if not cfg.use_peft:
         return model
     from peft import LoraConfig, get_peft_model
+    from transformers.integrations import is_deepspeed_zero3_enabled
 
     targets = requested_targets(cfg) if cfg.lora_target_modules else default_targets(model)
     if targets == ["all-linear"]:
@@ -103,8 +104,6 @@ def apply(cfg, model):
     lora = LoraConfig(task_type="SEQ_CLS", r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=targets, modules_to_save=head_modules(model))
     adapted = get_peft_model(model, lora)
-    from transformers.integrations import is_deepspeed_zero3_enabled
-
     if is_deepspeed_zero3_enabled():
         # The base was built partitioned in the engine's 16-bit dtype (zero.Init) and DeepSpeed 0.19.8 casts no module
         # it finds so built, while PEFT 0.21.2 makes the adapters in fp32: ZeRO-3's optimizer then fails on partitions
@@ -143,6 +142,15 @@ def trained_state(accelerator, model) -> dict[str, torch.Tensor]:
     from accelerate.utils import DistributedType
     from torch.distributed.tensor import DTensor
 
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # After a forward (the evaluation), torch 2.13.0's FSDP2 leaves the root unit's parameters unsharded:
+            # plain tensors in the compute dtype (bf16 under mixed precision), not the fp32 shards. Seen in a bf16 run:
+            # after rank 0 alone wrote best/, rank 0 held DTensors and rank 1 plain tensors, and final/ hung.
+            # Resharded here on every rank (no collective): all read the same fp32 DTensors.
+            module.reshard()
     state = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
