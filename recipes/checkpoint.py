@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from recipes import RecipeError, compilation, elastic
+from recipes import RecipeError, adapters, compilation, elastic
 
 PREEMPTED_MARKER = "PREEMPTED"  # checkpoints/PREEMPTED names the checkpoint a preempted run wrote; a resume removes it
 STEP_NAME = re.compile(r"step_(\d+)")
@@ -327,13 +327,17 @@ def save_weights(accelerator, model, tokenizer, folder: Path, info: Optional[dic
     """Write a folder `from_pretrained` loads (final/, best/) through a temporary one, so a crash never leaves it
     half-written; `info` (best/: the evaluation that made it the best) goes beside the weights as best_model.json."""
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)  # a collective under ZeRO-3 / FSDP: every rank calls it
-    state_dict = compilation.uncompiled_names(state_dict)
+    plain = accelerator.unwrap_model(model, keep_torch_compile=False)
+    if adapters.is_adapted(plain):  # --use_peft: adapter/ and the merged model (recipes/adapters.py)
+        write = adapters.weights_writer(accelerator, plain)  # a collective: every rank calls it
+    else:
+        state_dict = accelerator.get_state_dict(model)  # a collective under ZeRO-3 / FSDP: every rank calls it
+        state_dict = compilation.uncompiled_names(state_dict)
+        write = lambda tmp: plain.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)  # noqa: E731
     if accelerator.is_main_process:
         tmp = folder.with_name(folder.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        plain = accelerator.unwrap_model(model, keep_torch_compile=False)
-        plain.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        write(tmp)
         tokenizer.save_pretrained(tmp)
         if info is not None:
             (tmp / "best_model.json").write_text(json.dumps(info, indent=2) + "\n")

@@ -24,9 +24,9 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
-from recipes import (RecipeError, activation_checkpointing, checkpoint, compilation, contract, data, elastic,
-                     flag_checks, kernels, launch_checks, longrun, micro_batch, predict, problem, profiling, records,
-                     schedule, strategy, tasks, tracking)
+from recipes import (RecipeError, activation_checkpointing, adapters, checkpoint, compilation, contract, data,
+                     elastic, flag_checks, kernels, launch_checks, longrun, micro_batch, predict, problem, profiling,
+                     records, schedule, strategy, tasks, tracking)
 from recipes.config import Config, parse_config  # the flags, each documented (recipes/config.py)
 from recipes.metrics import check_scores, compute_metrics, load_metrics
 from recipes.probe import Probe
@@ -43,7 +43,7 @@ def build_model(cfg: Config, names: list[str]):
     with flag_checks.mismatched_sizes_refused(cfg), kernels.attention_refused(cfg):
         model = AutoModelForSequenceClassification.from_pretrained(
             cfg.model_name_or_path, **labels, **hub, **attention, ignore_mismatched_sizes=cfg.ignore_mismatched_sizes)
-    return strategy.drop_unused_weight_renamings(model)
+    return adapters.apply(cfg, strategy.drop_unused_weight_renamings(model))  # --use_peft: LoRA, the base frozen
 
 
 def param_groups(model, weight_decay: float) -> list[dict]:
@@ -261,7 +261,8 @@ def main(cfg: Config) -> dict:
         resolved = {**records.describe_run(cfg, accelerator, total_steps, len(train_ds), len(eval_ds)),
                     "training_contract": terms.record(),
                     "long_run": run.describe(), **micro_batch.describe(fitted, accelerator),
-                    "kernels": kernels.describe(accelerator.unwrap_model(model), optimizer)}
+                    "kernels": kernels.describe(accelerator.unwrap_model(model), optimizer),
+                    **adapters.describe(accelerator.unwrap_model(model))}  # --use_peft: "lora", its counts
         (out / "run_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
     accelerator.init_trackers("cls", config=records.tracker_config(asdict(cfg)))
     with accelerator.main_process_first():  # rank 0 copies the metric modules into evaluate's cache first

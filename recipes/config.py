@@ -117,6 +117,15 @@ class Config:
         "help": "compile each repeated encoder layer on its own, not the whole model: shorter compiles"})
     cpu_threads: int = field(default=0, metadata={
         "help": "threads per process computing on CPU; 0: OMP_NUM_THREADS if above 1, else cores / local processes"})
+    # LoRA through PEFT (recipes/adapters.py): the base frozen, adapters and the head trained; needs the lora extra
+    use_peft: bool = field(default=False, metadata={
+        "help": "train LoRA adapters on the encoder's linears and the head in full; final/ merged, final/adapter/"})
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA scale numerator: the update is alpha / r x B A"})
+    lora_dropout: float = field(default=0.1, metadata={"help": "dropout on the adapters' input"})
+    lora_target_modules: Optional[str] = field(default=None, metadata={
+        "help": "comma-separated module names or suffixes to adapt, or all-linear (default: every linear of the "
+                "encoder's layers, attention and feed-forward)"})
     # Trackers, model card, Hub upload (recipes/tracking.py); names and meanings as in transformers' TrainingArguments
     report_to: str = field(default="tensorboard", metadata={
         "help": f"trackers, comma-separated: {', '.join(tracking.TRACKERS)}; all (the installed ones) or none"})

@@ -39,6 +39,11 @@ REFUSED = {
     "validation_split": "another training split",
     "validation_split_name": "another training split",
     "metric_for_best_model": "best/ and the patience count were kept by the checkpoint's metric",
+    "use_peft": "another set of trained parameters: the checkpoint's optimizer state is of the other set",
+    "lora_r": "adapters of another shape than the checkpoint's",
+    "lora_alpha": "another scale of the trained update: the same adapters would be another model",
+    "lora_dropout": "the adapters' dropout is built into the model at the start (PEFT 0.21.2 has no setter)",
+    "lora_target_modules": "adapters on other modules than the checkpoint's",
 }
 # Changed on resume with --force_resume: applied from the resumed step on, as said here.
 APPLIED = {

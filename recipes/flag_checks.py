@@ -11,7 +11,7 @@ import contextlib
 import os
 from pathlib import Path
 
-from recipes import RecipeError, compilation, kernels, longrun, profiling, schedule
+from recipes import RecipeError, adapters, compilation, kernels, longrun, profiling, schedule
 from recipes.problem import PROBLEM_TYPES
 
 TRUNCATIONS = ("longest_first", "only_first", "only_second")
@@ -99,6 +99,7 @@ def flag_problems(cfg) -> list[str]:
             problems.append(problem)
     if cfg.predict_file and not Path(cfg.predict_file).is_file():
         problems.append(f"predict file not found: {cfg.predict_file}")
+    problems += adapters.flag_problems(cfg)  # --use_peft and the LoRA flags
     return problems
 
 
@@ -183,6 +184,7 @@ def check_model_source(cfg):
                           "make offline-model, then add --model_name_or_path artifacts/tiny-roberta") from None
     if path.is_dir() and not cfg.random_init:
         check_weights_fit(cfg, config)
+    adapters.check_targets(cfg, config)  # --lora_target_modules names modules of this model
     positions = getattr(config, "max_position_embeddings", None)
     if positions:
         if config.model_type in OFFSET_POSITIONS:

@@ -70,6 +70,7 @@ class ModelShape:
     fsdp_root_params: int = 0  # elements FSDP2's root unit holds: outside the wrapped layers and input embedding
     hidden_size: int = 0  # what Accelerate fills DeepSpeed's "auto" bucket and threshold sizes from
     num_layers: int = 0  # encoder layers: the attention term of the bench's model FLOPs
+    trainable_params: Optional[int] = None  # with gradients and optimizer state (LoRA: adapters + head); None: all
 
     def persistent(self, threshold: int) -> int:
         """Elements in parameters that ZeRO-3 keeps whole (numel <= threshold); 0 when the shapes are unknown."""
@@ -107,11 +108,15 @@ def fsdp_wrapped_layers(model) -> list:
     return [c.strip() for c in named.split(",")] if named else fsdp_wrap.wrap_classes(model)[0]
 
 
-def shape_from_model(name_or_path: str, num_labels: int = 2) -> ModelShape:
-    """Parameter shapes of a sequence classifier, built on the meta device: no weights loaded, no memory used."""
+def shape_from_model(name_or_path: str, num_labels: int = 2, lora_r: Optional[int] = None) -> ModelShape:
+    """Parameter shapes of a sequence classifier, built on the meta device: no weights loaded, no memory used.
+    With `lora_r`, the recipe's default LoRA (recipes/adapters.py) is applied to that skeleton: the parameters
+    (adapters added, the head's trained copy included) and the trainable ones are counted from it."""
     from recipes.launch_checks import model_skeleton
 
     model = model_skeleton(name_or_path, num_labels)
+    if lora_r is not None:
+        model = lora_skeleton(model, lora_r)
     config = model.config
     numels = [p.numel() for p in model.parameters()]
     wrapped = fsdp_wrapped_layers(model)
@@ -119,8 +124,25 @@ def shape_from_model(name_or_path: str, num_labels: int = 2) -> ModelShape:
     units.append(model.get_input_embeddings())
     in_units = {id(p) for unit in units for p in unit.parameters()}
     root = sum(p.numel() for p in model.parameters() if id(p) not in in_units)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if lora_r is not None else None
     return ModelShape(num_params=sum(numels), param_numels=numels, fsdp_root_params=root,
-                      hidden_size=getattr(config, "hidden_size", 0), num_layers=getattr(config, "num_hidden_layers", 0))
+                      hidden_size=getattr(config, "hidden_size", 0), num_layers=getattr(config, "num_hidden_layers", 0),
+                      trainable_params=trainable)
+
+
+def lora_skeleton(model, lora_r: int):
+    """The recipe's --use_peft model of a meta-device skeleton (its defaults but --lora_r)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from recipes import adapters
+
+    flags = SimpleNamespace(use_peft=True, lora_r=lora_r, lora_alpha=adapters.LORA_DEFAULTS["lora_alpha"],
+                            lora_dropout=0.0, lora_target_modules=None, model_name_or_path="", revision="main",
+                            cache_dir=None, trust_remote_code=False)
+    with torch.device("meta"):
+        return adapters.apply(flags, model)
 
 
 def reduce_buckets(zero: dict, bucket_bytes: int) -> Part:
@@ -140,20 +162,22 @@ def predict(strategy: str, shape: ModelShape, world: int, precision: str, optimi
     counted its collectives with a dispatch mode, which makes DDP's C++ buckets visible to memstats."""
     P, N, b = shape.num_params, world, DTYPE_BYTES[precision]
     shard = math.ceil(P / N)
+    T = shape.trainable_params or P  # what has gradients and optimizer state (LoRA: adapters + head)
+    tshard = math.ceil(T / N)
     moments = 4 * optimizer_states  # fp32 state tensors per parameter: Adam's exp_avg and exp_avg_sq
     if strategy in ("single", "ddp"):
         parts = [Part("parameters", "fp32 parameters", 4 * P),
-                 Part("gradients", "fp32 gradients", 4 * P, resident=False),
-                 Part("optimizer_state", "optimizer moments", moments * P)]
+                 Part("gradients", "fp32 gradients", 4 * T, resident=False),
+                 Part("optimizer_state", "optimizer moments", moments * T)]
         if N > 1:
-            parts.append(Part("buffers", "DDP gradient buckets (C++)", 4 * P, visible=comm_counted))
+            parts.append(Part("buffers", "DDP gradient buckets (C++)", 4 * T, visible=comm_counted))
         return parts
     if strategy == "fsdp":
         return [Part("parameters", "fp32 parameter shards", 4 * shard),
                 Part("parameters", f"gathered {precision} root unit", b * shape.fsdp_root_params, resident=False,
                      after_eval=True),
-                Part("gradients", "fp32 gradient shards", 4 * shard, resident=False),
-                Part("optimizer_state", "optimizer moments of the shard", moments * shard)]
+                Part("gradients", "fp32 gradient shards", 4 * tshard, resident=False),
+                Part("optimizer_state", "optimizer moments of the shard", moments * tshard)]
     if not strategy.startswith("zero"):
         raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
 
@@ -170,30 +194,30 @@ def predict(strategy: str, shape: ModelShape, world: int, precision: str, optimi
 
     opt_where = "host" if zero.get("offload_optimizer", {}).get("device", "none") != "none" else "device"
     bucket = size("reduce_bucket_size", 5e8) * b if zero.get("contiguous_gradients", True) else 0
-    parts = [Part("optimizer_state", "fp32 master partition", 4 * shard, opt_where),
-             Part("optimizer_state", "optimizer moments of the partition", moments * shard, opt_where)]
+    parts = [Part("optimizer_state", "fp32 master partition", 4 * tshard, opt_where),
+             Part("optimizer_state", "optimizer moments of the partition", moments * tshard, opt_where)]
     if zero["stage"] == 1:
         parts.append(Part("parameters", f"{precision} parameters, whole", b * P))
         fp32_accum = ds.get("data_types", {}).get("grad_accum_dtype") == "fp32"
         if precision == "bf16" and fp32_accum and opt_where == "device":  # BF16_Optimizer
-            parts.append(Part("gradients", "fp32 flat gradient buffer, whole (BF16_Optimizer)", 4 * P))
+            parts.append(Part("gradients", "fp32 flat gradient buffer, whole (BF16_Optimizer)", 4 * T))
             return parts
-        parts.append(Part("gradients", f"{precision} gradients, whole", b * P, resident=False))
+        parts.append(Part("gradients", f"{precision} gradients, whole", b * T, resident=False))
         if b != 4:
-            parts.append(Part("gradients", "fp32 copy of the gradient partition", 4 * shard, resident=False))
+            parts.append(Part("gradients", "fp32 copy of the gradient partition", 4 * tshard, resident=False))
         return parts + [reduce_buckets(zero, bucket)]
     if zero["stage"] == 2:
         parts.append(Part("parameters", f"{precision} parameters, whole", b * P))
         if opt_where == "host":
             largest = b * shape.largest()
-            parts += [Part("gradients", "pinned fp32 gradient partition", 4 * shard, "host"),
-                      Part("buffers", f"{precision} staging copy of the partition", b * shard, "host"),
+            parts += [Part("gradients", "pinned fp32 gradient partition", 4 * tshard, "host"),
+                      Part("buffers", f"{precision} staging copy of the partition", b * tshard, "host"),
                       Part("buffers", "gradient staging buffer (largest parameter)", largest, "host"),
                       Part("buffers", "gradient staging buffer (largest parameter)", largest)]
         else:
-            parts.append(Part("gradients", f"{precision} gradient partition", b * shard, resident=False))
+            parts.append(Part("gradients", f"{precision} gradient partition", b * tshard, resident=False))
             if b != 4:
-                parts.append(Part("gradients", "fp32 copy of the gradient partition", 4 * shard, resident=False))
+                parts.append(Part("gradients", "fp32 copy of the gradient partition", 4 * tshard, resident=False))
         return parts + [reduce_buckets(zero, bucket)]
     if zero["stage"] != 3:
         raise ValueError(f"ZeRO stage {zero['stage']} is not modelled")
@@ -205,8 +229,8 @@ def predict(strategy: str, shape: ModelShape, world: int, precision: str, optimi
               Part("parameters", f"{precision} partitions of the others", b * math.ceil((P - persistent) / N),
                    param_where),
               Part("parameters", f"gathered {precision} parameters", b * gathered, resident=False, after_eval=True),
-              Part("gradients", f"{precision} gradient partition buffer", b * shard, opt_where),
-              Part("gradients", "fp32 gradient partition", 4 * shard, opt_where, resident=opt_where == "host"),
+              Part("gradients", f"{precision} gradient partition buffer", b * tshard, opt_where),
+              Part("gradients", "fp32 gradient partition", 4 * tshard, opt_where, resident=opt_where == "host"),
               Part("buffers", "reduce bucket", bucket)]
     return parts
 
@@ -295,9 +319,11 @@ def main(argv=None) -> None:
     parser.add_argument("--precision", choices=sorted(DTYPE_BYTES), default="bf16", help="compute dtype")
     parser.add_argument("--optimizer_states", type=int, default=2, help="fp32 states per parameter (Adam: 2)")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    parser.add_argument("--lora_r", type=int, help="the recipe's --use_peft at this rank: gradients and optimizer "
+                        "state of adapters + head only (needs --model_name_or_path)")
     args = parser.parse_args(argv)
     if args.model_name_or_path:
-        shape = shape_from_model(args.model_name_or_path, args.num_labels)
+        shape = shape_from_model(args.model_name_or_path, args.num_labels, args.lora_r)
     else:
         shape = ModelShape(num_params=int(args.num_params))
     print(format_table(shape, args.num_processes, args.precision, args.strategies, args.optimizer_states))

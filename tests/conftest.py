@@ -109,7 +109,8 @@ def ddp_parity_reference(tiny_model, tmp_path_factory):
 # The files with the longest chains of launches, collected first: under `make test`'s two pytest-xdist workers
 # (--dist loadfile, a file per worker in collection order) they start at once instead of last, so that no one file
 # runs alone at the end while the other core idles. Order only: every file still runs whole on one worker.
-LONG_FIRST = ["test_resume.py", "test_elastic.py", "test_strategies.py", "test_long_runs.py", "test_pretrained.py"]
+LONG_FIRST = ["test_resume.py", "test_elastic.py", "test_strategies.py", "test_long_runs.py", "test_pretrained.py",
+              "test_lora.py"]
 
 
 def pytest_collection_modifyitems(config, items):
