@@ -346,8 +346,14 @@ def plan(args, study, space: dict):
             config, seed = pending.pop(0)
             if trial_name(config, seed) in by_name:
                 continue
-            study.enqueue_trial(config)
-            trial = _Trial(study.ask(dists))
+            if grid:
+                # Optuna 5.0.0 refuses a CategoricalDistribution whose choices change within a study ("does not
+                # support dynamic value space"): a grid's values live in the trial's user attributes instead, so that
+                # more values can extend a sweep.
+                trial = _Trial(study.ask())
+            else:  # the other seeds of the configuration TPE chose
+                study.enqueue_trial(config)
+                trial = _Trial(study.ask(dists))
         name = trial_name(config, seed)
         for key, value in (("name", name), ("config", config), ("seed", seed)):
             trial.set_user_attr(key, value)

@@ -184,8 +184,10 @@ def test_pruned_and_failed_trials_are_recorded(reference, tmp_path):
     assert len(states) == 6 and sum(t["state"] == "COMPLETE" for t in states.values()) == 4
     pruned, failed = states["learning_rate=1.0,seed=42"], states["learning_rate=-1,seed=42"]
     assert failed["state"] == "FAIL" and failed["error"] == "error: --learning_rate -1.0 must be > 0"
-    assert pruned["state"] == "PRUNED" and pruned["value"] is None, proc.stdout
     folder = out / "trials" / pruned["name"]
+    # Optuna 5.0.0 stores a pruned trial's last reported intermediate value as its value; the report leaves it out.
+    assert pruned["state"] == "PRUNED" and pruned["value"] == read_jsonl(folder / "eval.jsonl")[-1]["loss"], proc.stdout
+    assert [c["config"]["learning_rate"] for c in rep["configurations"]] == [0.001, 0.003]
     marker = (folder / "checkpoints" / "PREEMPTED").read_text().strip()
     assert pruned["pruned_at"] == marker
     step = int(marker.removeprefix("step_"))
