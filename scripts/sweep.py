@@ -230,12 +230,14 @@ class Runner:
     def watch(self, trial, proc, folder: Path) -> bool:
         """Report each new evaluation; with --prune, SIGTERM the trial when the pruner says so. True when pruned."""
         seen, pruned = 0, False
+        reported = trial.storage_intermediate()  # read once: the pruner's decision must come quickly after an eval
         while True:
             done = proc.poll() is not None
             evals = read_jsonl(folder / "eval.jsonl")
             for record in evals[seen:]:
-                if self.args.metric in record and record["step"] not in trial.storage_intermediate():
+                if self.args.metric in record and record["step"] not in reported:
                     trial.report(float(record[self.args.metric]), record["step"])
+                    reported.add(record["step"])
                     if self.args.prune and not done and not pruned and trial.should_prune():
                         print(f"sweep: pruning trial {trial.number} at step {record['step']}", flush=True)
                         os.killpg(proc.pid, signal.SIGTERM)  # the recipe's stop path: checkpoint, PREEMPTED marker
