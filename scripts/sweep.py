@@ -330,7 +330,13 @@ def plan(args, study, space: dict):
         fail("--trials is required when the space has a range ({low, high, log})")
     budget = args.trials if args.trials is not None else math.inf  # a grid: every configuration and seed
     dists = distributions(space)
-    configs = [dict(zip(space, values)) for values in itertools.product(*space.values())] if grid else []
+    if grid:
+        configs = [dict(zip(space, values)) for values in itertools.product(*space.values())]
+    else:  # TPE: a restarted sweep first gives the configurations chosen before their missing seeds
+        configs = []
+        for frozen in trials:
+            if "config" in frozen.user_attrs and frozen.user_attrs["config"] not in configs:
+                configs.append(frozen.user_attrs["config"])
     started = len(trials)
     pending = [(config, seed) for config in configs for seed in seeds]
     while started < budget:

@@ -205,3 +205,29 @@ def test_pruned_and_failed_trials_are_recorded(reference, tmp_path):
     assert len(launches(out / "trials" / failed["name"])) == 1
     md = (out / "report.md").read_text()
     assert "PRUNED" in md and "error: --learning_rate -1.0 must be > 0" in md
+
+
+def test_restarted_tpe_sweep_first_completes_the_seeds_of_its_configurations():
+    """No launch: the planner on an in-memory study. A TPE sweep of 3 seeds per configuration stopped after 2 seeds
+    of its first configuration gives that configuration's third seed first when it starts again, then a new
+    configuration with all 3 seeds (before the fix it sampled a new configuration and left the first at n = 2)."""
+    import argparse
+
+    import optuna
+
+    space = {"learning_rate": {"low": 1e-4, "high": 1e-2, "log": True}}
+    args = argparse.Namespace(seeds=3, trials=6)
+    study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(seed=0))
+    first = sweep.plan(args, study, space)
+    done = []
+    for _ in range(2):
+        trial, config, seed = next(first)
+        study.tell(trial.number, 0.5)
+        done.append((config, seed))
+    first.close()  # the sweep stops here (killed between two trials)
+    assert [seed for _, seed in done] == [42, 43] and done[0][0] == done[1][0]
+    again = list(sweep.plan(args, study, space))
+    assert [(config, seed) for _, config, seed in again[:1]] == [(done[0][0], 44)]
+    assert again[0][0].params == done[0][0]  # the trial's own parameters are that configuration too
+    assert [seed for _, _, seed in again[1:]] == [42, 43, 44] and len({str(c) for _, c, _ in again[1:]}) == 1
+    assert again[1][1] != done[0][0] and len(again) == 4  # the budget: 6 trials in all
