@@ -275,7 +275,7 @@ def main(cfg: Config) -> dict:
     if start.path:
         checkpoint.load_checkpoint(accelerator, optimizer, scheduler, start, cfg.seed)  # model, optimizer, RNGs
         kernels.apply_after_load(optimizer, cfg.optim, accelerator.device)  # --optim, not the checkpoint's choice
-        contract.apply_changes(start.changes, cfg, optimizer, scheduler)  # --force_resume: the new rate, decay
+        contract.apply_changes(start.changes, cfg, scheduler)  # --force_resume: the new rate, decay
         accelerator.print(f"resumed from {start.path} at step {start.step}")
     elif cfg.resume_from_checkpoint == "auto":
         accelerator.print(f"--resume_from_checkpoint auto: no checkpoint in {out / 'checkpoints'}, starting fresh")

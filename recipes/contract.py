@@ -269,25 +269,23 @@ class Contract:
         return type(start)(**{**vars(start), "changes": changes})
 
 
-def apply_changes(changes: list, cfg, optimizer, scheduler) -> None:
+def apply_changes(changes: list, cfg, scheduler) -> None:
     """After the checkpoint is loaded: the forced changes that live in the optimizer and the schedule. The rate of
     each group becomes the new base times the (rebuilt) schedule's factor at the checkpoint's step, so the next step
     uses it; the schedule's base rates, which the checkpoint restored, become the new one. The others (clipping,
     order, length, patience) are read from the flags as the run goes."""
     if not changes:
         return
-    from recipes.memstats import innermost_optimizer
-
     names = {c.name for c in changes}
     lr_scheduler = getattr(scheduler, "scheduler", scheduler)  # Accelerate's wrapper keeps torch's scheduler
-    groups = {id(g): g for opt in (lr_scheduler.optimizer, innermost_optimizer(optimizer)) for g in opt.param_groups}
+    # the stepping optimizer's groups: checkpoint.load_checkpoint pointed the schedule at them (schedule_stepping_groups)
+    groups = lr_scheduler.optimizer.param_groups
     if "weight_decay" in names:
-        for g in (lr_scheduler.optimizer.param_groups[0], innermost_optimizer(optimizer).param_groups[0]):
-            g["weight_decay"] = cfg.weight_decay
+        groups[0]["weight_decay"] = cfg.weight_decay
     lr_scheduler.base_lrs = [cfg.learning_rate for _ in lr_scheduler.base_lrs]
     rates = [base * factor(lr_scheduler.last_epoch) for base, factor in zip(lr_scheduler.base_lrs,
                                                                            lr_scheduler.lr_lambdas)]
     lr_scheduler._last_lr = rates  # what get_last_lr() reports: the rate the next step uses
-    for g in groups.values():
+    for g in groups:
         g["initial_lr"] = cfg.learning_rate
         g["lr"] = rates[0]
