@@ -10,11 +10,14 @@ results to results/<date>_<device>_<host>.{md,json,png}, and docs/benchmark.md's
 (README.md quotes three headline ratios of it; tests/test_docs.py holds them to the latest results file).
 
 Runs per model: the recipe under each shipped strategy config (multi-process ones on every GPU, or 2 CPU processes),
-`python recipes/cls.py --data_parallel` where more than one GPU is visible, and six baselines on one process:
+`python recipes/cls.py --data_parallel` where more than one GPU is visible, and seven baselines on one process:
 a hand-written PyTorch loop and transformers.Trainer (scripts/bench_baselines.py, with the recipe's fused AdamW), the
 recipe padding every batch to 128 tokens (--pad_to_max_length) instead of to the longest sequence, the recipe with
 length-grouped batches (--group_by_length), and the recipe with torch's per-parameter AdamW (`unfused`, --optim
-adamw_torch) or eager attention (`eager_attn`) instead of its defaults (recipes/kernels.py); and `alternate`, the recipe, the loop and Trainer in three threads of one process, taking
+adamw_torch) or eager attention (`eager_attn`) instead of its defaults (recipes/kernels.py), the recipe training
+LoRA adapters of rank 8 and the head on the frozen model (`lora`, --use_peft: its model state and speed beside full
+fine-tuning's; skipped for a model built from random init, or without the lora extra); and `alternate`, the recipe,
+the loop and Trainer in three threads of one process, taking
 turns every 5 optimizer steps (scripts/bench_baselines.py alternate), the basis of the overhead ratios. A launch that
 fails is reported with its error and skipped.
 
@@ -53,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.util
 import json
 import os
 import platform
@@ -83,16 +87,20 @@ REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 STRATEGIES = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "dataparallel")
-BASELINES = ("loop", "trainer", "pad128", "grouped", "unfused", "eager_attn", "alternate")
+BASELINES = ("loop", "trainer", "pad128", "grouped", "unfused", "eager_attn", "lora", "alternate")
 # The baselines that are the recipe on one process (accelerate_configs/single.yaml) with other flags: padding to 128,
 # length-grouped batches, torch's per-parameter AdamW instead of the fused one, eager attention instead of SDPA
 # (the last two show what recipes/kernels.py's defaults give).
 RECIPE_VARIANTS = {"pad128": ["--pad_to_max_length", "--max_length", "128"], "grouped": ["--group_by_length"],
-                   "unfused": ["--optim", "adamw_torch"], "eager_attn": ["--attn_implementation", "eager"]}
+                   "unfused": ["--optim", "adamw_torch"], "eager_attn": ["--attn_implementation", "eager"],
+                   "lora": ["--use_peft", "--lora_r", "8"]}
+# `lora`: LoRA adapters (rank 8, the recipe's default targets) and the head on the frozen model (recipes/adapters.py);
+# its state is predicted with the same rank (memory_model.shape_from_model lora_r), beside full fine-tuning's `single`.
+LORA_R = 8
 # The one-process runs in interleaved rounds, in launch order: the pairs that the goals compare are neighbours
 # (pad128-grouped-single-loop) or one apart (single-trainer), and odd rounds run backwards (A B C, C B A, A B C, ...)
 # so that a slow drift of the machine's speed, which on a shared VM reaches 15% over a few minutes, cancels.
-COMPARED = ("pad128", "grouped", "single", "loop", "trainer", "unfused", "eager_attn")
+COMPARED = ("pad128", "grouped", "single", "loop", "trainer", "unfused", "eager_attn", "lora")
 
 
 @dataclass
@@ -261,9 +269,14 @@ def effective_batch(name: str, n_gpus: int, profile: Profile) -> int:
     return profile.per_device_batch * max(1, devices)
 
 
-def skip_reason(run: Run, n_gpus: int) -> str:
+def skip_reason(run: Run, n_gpus: int, spec: Optional[ModelSpec] = None) -> str:
     if run.name == "dataparallel" and n_gpus < 2:
         return f"needs more than one visible GPU ({n_gpus} visible)"
+    if run.name == "lora":
+        if importlib.util.find_spec("peft") is None:
+            return "needs the lora extra (pip install -e .[lora])"
+        if spec is not None and spec.random_init:
+            return "LoRA adapts pretrained weights; this model is built from random init"
     return ""
 
 
@@ -510,7 +523,7 @@ def run_one(spec: ModelSpec, name: str, round_: int, profile: Profile, runs_dir:
     run_dir = runs_dir / (f"{spec.name}_{name}" + (f"_r{round_}" if round_ else "")
                           + (f"_a{attempt}" if attempt else ""))
     run.run_dir = str(run_dir.relative_to(REPO) if run_dir.is_relative_to(REPO) else run_dir)
-    run.reason = skip_reason(run, n_gpus)
+    run.reason = skip_reason(run, n_gpus, spec)
     if run.reason:
         run.status = "skipped"
         return run
@@ -520,8 +533,8 @@ def run_one(spec: ModelSpec, name: str, round_: int, profile: Profile, runs_dir:
     command = plan_command(run, spec, profile, run_dir, runs_dir, recipe, n_gpus)
     run.effective_batch = effective_batch(name, n_gpus, profile)
     samples = execute(run, command, run_dir, profile, {**run_env(run.threads, run.world), **run.env})
-    if run.status == "ok":
-        collect(run, run_dir, profile, shape)
+    if run.status == "ok":  # a LoRA run's state is predicted for its trainable part; its FLOPs stay the full model's
+        collect(run, run_dir, profile, lora_shape(spec) if name == "lora" else shape)
     record_load(run, samples)
     if run.status == "ok" and run.tokens_per_s:
         key = (run.precision, run.threads)
@@ -532,6 +545,12 @@ def run_one(spec: ModelSpec, name: str, round_: int, profile: Profile, runs_dir:
         devices = run.effective_batch // profile.per_device_batch if n_gpus else 1
         run.mfu = run.model_flops_per_s / (peaks[key] * devices) if peaks[key] else None
     return run
+
+
+def lora_shape(spec: ModelSpec) -> memory_model.ModelShape:
+    """The memory model's shape of the `lora` run: the model with the recipe's default LoRA at rank LORA_R."""
+    return memory_model.shape_from_model(str(REPO / spec.path) if (REPO / spec.path).exists() else spec.path,
+                                         lora_r=LORA_R)
 
 
 def run_bench(profile: Profile, strategies=STRATEGIES, baselines=BASELINES, runs_dir: Path = REPO / "runs" / "bench",

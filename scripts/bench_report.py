@@ -92,7 +92,7 @@ def spread(values: list, set_aside=(), kept=None) -> dict:
 TIME_RATIOS = {"recipe_vs_hand_loop_time": ("single", "loop"), "trainer_vs_recipe_time": ("trainer", "single"),
                "pad128_vs_dynamic_time": ("pad128", "single"), "grouped_speedup_vs_pad128": ("pad128", "grouped"),
                "grouped_speedup_vs_dynamic": ("single", "grouped"), "fused_adamw_speedup": ("unfused", "single"),
-               "sdpa_speedup_vs_eager": ("eager_attn", "single")}
+               "sdpa_speedup_vs_eager": ("eager_attn", "single"), "lora_speedup_vs_full": ("single", "lora")}
 ACCURACY_RUNS = ("single", "pad128", "grouped")
 
 
@@ -134,6 +134,11 @@ def ratios(runs: list) -> dict:
         entry["disturbed"] = disturbance_summary(screened, alternate)
         first = by_round.get(0, {}).values()
         entry["memory_measured_vs_predicted"] = {r["name"]: r["memory_ratio"] for r in first if r["memory_ratio"]}
+        full, lora = by_round.get(0, {}).get("single"), by_round.get(0, {}).get("lora")
+        if full and lora and full.get("state_measured") and lora.get("state_measured"):
+            entry["lora_state_vs_full"] = {"lora": lora["state_measured"], "full": full["state_measured"],
+                                           "ratio": lora["state_measured"] / full["state_measured"],
+                                           "lora_measured_vs_predicted": lora["memory_ratio"]}
         entry["comm_measured_vs_predicted"] = {r["name"]: r["comm_ratio"] for r in first if r.get("comm_ratio")}
         out[model] = entry
     return out
@@ -215,7 +220,8 @@ RATIO_TEXT = {"recipe_vs_hand_loop_same_process": "recipe / hand-written loop, s
               "grouped_speedup_vs_pad128": "grouped batches' speed-up over pad-to-128",
               "grouped_speedup_vs_dynamic": "grouped batches' speed-up over dynamic padding",
               "fused_adamw_speedup": "fused AdamW's speed-up over torch's per-parameter AdamW (recipe, epoch)",
-              "sdpa_speedup_vs_eager": "SDPA attention's speed-up over eager attention (recipe, epoch)"}
+              "sdpa_speedup_vs_eager": "SDPA attention's speed-up over eager attention (recipe, epoch)",
+              "lora_speedup_vs_full": "LoRA (r 8)'s speed-up over full fine-tuning (recipe, epoch)"}
 
 
 def goal_text(key: str, median: float) -> str:
@@ -252,6 +258,11 @@ def ratio_lines(results: dict) -> list:
             lines.append(f"- {model}, grouped - dynamic accuracy: **{diff['mean']:+.2f} points** mean (min "
                          f"{diff['min']:+.2f}, max {diff['max']:+.2f}; goal within {ACCURACY_POINTS}: "
                          f"{'met' if within else 'NOT met'})")
+        state = entry.get("lora_state_vs_full")
+        if state:
+            lines.append(f"- {model}, LoRA (r 8) / full fine-tuning, model state per rank: **{state['ratio']:.3f}x** "
+                         f"({mib(state['lora']):.2f} / {mib(state['full']):.2f} MiB; LoRA measured / predicted "
+                         f"{state['lora_measured_vs_predicted']:.3f})")
         lines += disturbance_lines(model, entry.get("disturbed"))
     return lines
 

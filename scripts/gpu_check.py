@@ -12,8 +12,8 @@ copied there: at 87 MiB it does not travel with a checkout), on that real pretra
 against the pinned hash and used as it is, with only config.json's dropout set to 0:
 - the reduced `BENCH=full` profile of scripts/bench.py (profile_and_spec below): every strategy of bench.STRATEGIES (one
   process per GPU; with one GPU each config runs with --num_processes 1; dataparallel only with 2 GPUs or more) and
-  the baselines (loop, trainer, pad128, grouped, alternate), in bf16, 30 optimizer steps of 16 samples per device,
-  one round; launched, timed and measured by bench's own plan_command / execute / collect;
+  the baselines (loop, trainer, pad128, grouped, unfused, eager_attn, lora, alternate), in bf16, 30 optimizer steps
+  of 16 samples per device, one round; launched, timed and measured by bench's own plan_command / execute / collect;
 - the multi-machine configs (accelerate_configs/*multinode*.yaml) as two machines on this host, each with half the
   GPUs (CUDA_VISIBLE_DEVICES), machine 0's address the loopback, as tests/test_strategies.py rehearses them on CPU
   processes: each machine's own `accelerate launch --machine_rank i`, a static rendezvous, NCCL and the bf16 configs,
@@ -697,6 +697,8 @@ def compare(run: dict, reference: dict | None) -> dict:
     out["losses"] = [mine[s]["loss"] for s in sorted(mine)]
     if run["name"] == "grouped":
         return {**out, "verdict": "not compared: length-grouped batches hold other samples per step"}
+    if run["name"] == "lora":
+        return {**out, "verdict": "not compared: LoRA trains adapters on the frozen model, another training"}
     if reference is None or reference["status"] != "ok":
         return {**out, "verdict": "not compared: the reference " + ("is missing" if reference is None
                                                                      else f"{reference['status']}")}

@@ -6,7 +6,8 @@
     make gpu-wheels GPU_WHEELS_SKIP="numpy pandas"   # another skip list (GPU_WHEELS_SKIP= skips nothing)
     python scripts/gpu_wheels.py --python-version 3.12 --platform manylinux_2_28_x86_64 --dest .whl
 
-What goes in: the project's pinned dependencies (pyproject.toml [project].dependencies) but torch, the project's
+What goes in: the project's pinned dependencies (pyproject.toml [project].dependencies, and the `lora` extra's peft
+for bench's `lora` run) but torch, the project's
 build requirement (setuptools, for `pip install -e .` without build isolation there), pip itself (make gpu-check
 makes its venv without pip, since ensurepip is missing from many system Pythons, and installs pip from its wheel)
 and all they need, resolved for
@@ -73,12 +74,18 @@ def split_requirement(requirement: str) -> tuple[str, str]:
     return normalize(match.group(1)), match.group(2).split(";")[0].strip()
 
 
+# The optional extras the GPU check needs beside the core pins: `lora` for bench's `lora` run (--use_peft).
+EXTRAS = ("lora",)
+
+
 def pyproject_requirements(pyproject: Path = REPO / "pyproject.toml") -> tuple[list[str], list[str]]:
-    """(pinned dependencies, build requirements) as written in pyproject.toml."""
+    """(pinned dependencies and those of EXTRAS, build requirements) as written in pyproject.toml."""
     import tomllib
 
     data = tomllib.loads(pyproject.read_text())
-    return list(data["project"]["dependencies"]), list(data["build-system"]["requires"])
+    extras = data["project"].get("optional-dependencies", {})
+    pins = list(data["project"]["dependencies"]) + [r for extra in EXTRAS for r in extras.get(extra, [])]
+    return pins, list(data["build-system"]["requires"])
 
 
 def requirement_list(skip=DEFAULT_SKIP, pyproject: Path = REPO / "pyproject.toml") -> tuple[list[str], dict]:

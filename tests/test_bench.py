@@ -188,6 +188,36 @@ def test_kernel_ratios_compare_the_default_recipe_with_its_plain_kernels_by_roun
     assert "fused AdamW's speed-up over torch's per-parameter AdamW (recipe, epoch): **1.150x**" in text
 
 
+def test_lora_row_is_timed_by_round_and_its_state_compared_with_full_fine_tuning(tmp_path, monkeypatch):
+    """The `lora` run: the recipe with --use_peft on one process, interleaved with `single`; its speed-up by round,
+    its model state beside full fine-tuning's and its own measured / predicted; skipped (with the reason) for a model
+    from random init or without peft."""
+    def run(name, round_, epoch_s, state=None, ratio=None):
+        return dict(bench.Run(model="tiny", name=name, kind="baseline", round=round_).__dict__, epoch_s=epoch_s,
+                    state_measured=state, memory_ratio=ratio)
+
+    runs = [run("single", 0, 10.0, 18 * 2**20, 1.0), run("lora", 0, 8.0, 6 * 2**20, 1.006),
+            run("single", 1, 12.0), run("lora", 1, 10.0)]
+    got = bench_report.ratios(runs)["tiny"]
+    assert got["lora_speedup_vs_full"] == pytest.approx({"median": 1.225, "min": 1.2, "max": 1.25, "rounds": 2})
+    assert got["lora_state_vs_full"]["ratio"] == pytest.approx(1 / 3)
+    text = "\n".join(bench_report.ratio_lines({"ratios": {"tiny": got}}))
+    assert "LoRA (r 8) / full fine-tuning, model state per rank: **0.333x** (6.00 / 18.00 MiB; LoRA measured / " \
+           "predicted 1.006)" in text
+    command = bench.plan_command(bench.Run(model="tiny", name="lora", kind="baseline"), bench.TINY,
+                                 bench.PROFILES["quick"], tmp_path, tmp_path, "recipes/cls.py", 0)
+    assert command[command.index("--use_peft") + 1:command.index("--use_peft") + 3] == ["--lora_r", str(bench.LORA_R)]
+    assert "--config_file" in command and "accelerate_configs/single.yaml" in command
+    lora = bench.Run(model="-", name="lora", kind="baseline")
+    assert bench.skip_reason(lora, 0, bench.TINY) == ""
+    assert "random init" in bench.skip_reason(lora, 0, bench.ModelSpec("base", "x", True, "bf16", 2e-5))
+    shape = bench.lora_shape(bench.TINY)
+    assert 0 < shape.trainable_params < shape.num_params / 2
+    with monkeypatch.context() as patch:
+        patch.setattr(bench.importlib.util, "find_spec", lambda name: None)
+        assert "pip install -e .[lora]" in bench.skip_reason(lora, 0, bench.TINY)
+
+
 def test_schedule_interleaves_the_compared_runs_then_runs_the_strategies_once():
     got = bench.schedule_runs(("single", "ddp", "zero2", "dataparallel", "loop", "grouped"), repeats=3)
     assert got == [("grouped", 0), ("single", 0), ("loop", 0), ("loop", 1), ("single", 1), ("grouped", 1),

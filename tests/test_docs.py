@@ -51,6 +51,7 @@ def test_quoted_benchmark_figures_equal_the_latest_results():
     stem, results = latest_results()
     printed = "\n".join([*bench_report.ratio_lines(results), bench_report.markdown_table(results)])
     ratios, points = set(RATIO.findall(printed)), {p.replace("−", "-") for p in POINTS.findall(printed)}
+    points |= record_points()
     for path in DOCS:
         text = outside_bench_block(path.read_text())
         for figure in RATIO.findall(text):
@@ -70,6 +71,14 @@ def test_quoted_benchmark_figures_equal_the_latest_results():
         assert f"{first[name]['padding_efficiency']:.3f}" in speed, name
     for key in ("grouped_speedup_vs_dynamic", "grouped_speedup_vs_pad128"):
         assert f"{entry[key]['median']:.3f}x" in speed, key
+
+
+def record_points() -> set:
+    """The accuracy differences in points of the latest demo_pretrained records (LoRA - full fine-tuning, per seed and
+    the mean), which the docs may quote beside the bench's."""
+    found = demo_pretrained.latest_record(REPO / "results", "lora")
+    paired = (found[1].get("against_full") or {}) if found else {}
+    return {f"{100 * d:+.2f} points" for d in [*paired.get("differences", []), paired.get("mean_difference", 0.0)]}
 
 
 def test_docs_name_no_issue_numbers_and_link_to_existing_files():
@@ -134,4 +143,25 @@ def test_pretrained_page_quotes_the_latest_records():
         assert f"{rate}: {accuracy:.4f}" in page, rate
     assert demo["random_init"]["record"] == ri_path.stem and f"{ri['mean_accuracy']:.4f}" in page
     for path in (lr_path, ri_path):
+        assert f"](../results/{path.stem}.md)" in page
+
+
+def test_lora_page_quotes_the_latest_records():
+    """docs/lora.md gives the figures of the latest LoRA records of scripts/demo_pretrained.py --use_peft: the
+    validation scores that chose its learning rate (the script's LORA_LR), each seed's eval accuracy, its mean, and the
+    paired difference with full fine-tuning and its interval, against the full fine-tuning record of those seeds."""
+    (lora_path, lora), (lr_path, lr) = (demo_pretrained.latest_record(REPO / "results", kind)
+                                        for kind in ("lora", "lora_lr"))
+    page = (REPO / "docs" / "lora.md").read_text()
+    assert len(lora["runs"]) == 3 and f"**{lora['mean_accuracy']:.4f}**" in page
+    for run in lora["runs"]:
+        assert f"{run['accuracy']:.4f}" in page and run["learning_rate"] == demo_pretrained.LORA_LR, run
+    assert lr["chosen_learning_rate"] == demo_pretrained.LORA_LR
+    for rate, accuracy in lr["validation_accuracy_by_lr"].items():
+        assert f"{rate}: {accuracy:.4f}" in page, rate
+    paired = lora["against_full"]
+    assert paired["record"] == demo_pretrained.latest_record(REPO / "results", "pretrained")[0].stem
+    low, high = (100 * v for v in paired["ci95"])
+    assert f"{paired['mean_difference'] * 100:+.2f} points" in page and f"[{low:+.2f}, {high:+.2f}]" in page
+    for path in (lora_path, lr_path):
         assert f"](../results/{path.stem}.md)" in page

@@ -250,6 +250,7 @@ def test_fake_gpu_run_resumes_by_parts_and_writes_every_field(fake_gpus, tmp_pat
         assert c["grad_norm_median_rel_diff"] == pytest.approx(0.01) and c["verdict"] == "within bound"
     assert configs[BROKEN]["loss_max_abs_diff"] == pytest.approx(0.06) and configs[BROKEN]["verdict"] == "OUTSIDE bound"
     assert configs["grouped"]["verdict"].startswith("not compared: length-grouped")
+    assert configs["lora"]["verdict"].startswith("not compared: LoRA")
     assert configs["alternate"]["verdict"].startswith("not compared") and configs["alternate"]["losses"] is None
 
     # memory: the largest rank against memory_model for the strategy, world and precision (multinode: DDP on 2)

@@ -14,9 +14,11 @@ one launch per strategy, each checked for several things:
   adapter/ holds fp32 values;
 - the live model's frozen weights in the last checkpoint are bit-identical to the pretrained file;
 - a resume mid-run equals the uninterrupted run (same process count: exactly; from DDP's 2-process checkpoint on one
-  process: within LOSS_ATOL); ZeRO-3's 2-process checkpoint resumed on one process (universal conversion) follows it
-  within LOSS_ATOL and starts from a frozen base bit-identical to the pretrained file.
-In-process, no launch: the bad-input lines, and the adapter folder's size against the predicted trainable count.
+  process: within LOSS_ATOL); ZeRO-3's and FSDP2's 2-process checkpoints resumed on one process (universal
+  conversion; torch.distributed.checkpoint's resharding) follow it within LOSS_ATOL and start from a frozen base
+  bit-identical to the pretrained file.
+In-process, no launch: the bad-input lines, the adapter folder's size against the predicted trainable count, and
+--gradient_checkpointing's gradients against the plain model's.
 """
 from __future__ import annotations
 
@@ -233,21 +235,24 @@ def test_resume_mid_run_equals_the_uninterrupted_run(reference, runs, cut_pretra
 
 
 @pytest.mark.multiproc
-def test_zero3_resume_on_one_process_keeps_the_frozen_base(reference, runs, cut_pretrained, tmp_path):
-    """ZeRO-3's 2-process checkpoint on one process: the universal conversion carries only the optimizer's
-    partitions (adapters + head), so the frozen base is the one built from the pretrained files; the weights the
-    resumed run starts from (--record_ranks: fingerprints gathered after the load) are the file's, bit for bit."""
+@pytest.mark.parametrize("config", ["zero3.yaml", "fsdp.yaml"])
+def test_resume_on_one_process_keeps_the_frozen_base(reference, runs, cut_pretrained, tmp_path, config):
+    """A 2-process checkpoint on one process, the elastic path of each sharded strategy: ZeRO-3's universal
+    conversion carries only the optimizer's partitions (adapters + head), so the frozen base is the one built from the
+    pretrained files; FSDP2's torch.distributed.checkpoint reshards the whole model state, frozen base included. The
+    weights the resumed run starts from (--record_ranks: fingerprints gathered after the load) are the file's, bit
+    for bit, and its losses follow the one-process run."""
     from recipes.probe import fingerprint
 
-    out = tmp_path / "zero3_to_one"
-    shutil.copytree(runs("zero3.yaml") / "checkpoints" / "step_4", out / "checkpoints" / "step_4")
-    launch = fp32_launch_args("zero3.yaml", tmp_path) + ["--num_processes", "1"]
+    out = tmp_path / "to_one"
+    shutil.copytree(runs(config) / "checkpoints" / "step_4", out / "checkpoints" / "step_4")
+    launch = fp32_launch_args(config, tmp_path) + ["--num_processes", "1"]
     run_recipe(out, *model_flag(cut_pretrained), *RUN, "--per_device_train_batch_size", "16", "--record_ranks",
-               "--resume_from_checkpoint", str(out / "checkpoints" / "step_4"), config="zero3.yaml",
+               "--resume_from_checkpoint", str(out / "checkpoints" / "step_4"), config=config,
                launch_args=launch)
-    assert (out / "checkpoints" / "step_4.universal").is_dir()
+    assert (out / "checkpoints" / "step_4.universal").is_dir() == (config == "zero3.yaml")
     delta = max(abs(x - y) for x, y in zip(losses(out), losses(reference)[4:]))
-    print(f"lora zero3 step 4 resumed on one process (universal): max |loss difference| over steps 5-8 = {delta:.3e}")
+    print(f"lora {config} step 4 resumed on one process: max |loss difference| over steps 5-8 = {delta:.3e}")
     assert len(losses(out)) == 4 and delta <= LOSS_ATOL
     files = load_file(cut_pretrained / "model.safetensors")
     start = rank_records(out)[0]["start_weights"]
@@ -347,3 +352,36 @@ def test_memory_model_counts_gradients_and_adam_of_the_trainable_part_only():
                      "optimizer moments": 8 * predicted["total"]}
     zero2 = {p.what: p.nbytes for p in memory_model.predict("zero2", shape, 8, "bf16")}
     assert zero2["fp32 master partition"] == 4 * -(-predicted["total"] // 8)
+
+
+def test_gradient_checkpointing_gives_the_same_adapter_gradients(cut_pretrained, tmp_path):
+    """--gradient_checkpointing with --use_peft (recipes/activation_checkpointing.py on the PEFT model): the frozen
+    embeddings' output needs no gradient, so torch's non-reentrant checkpoint (the recipe's choice) still reaches the
+    adapters of every layer; loss and every trainable gradient equal the plain model's, in-process, no launch."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from recipes import activation_checkpointing
+
+    cfg = cls.parse_config(["--model_name_or_path", str(cut_pretrained), "--output_dir", str(tmp_path), *LORA])
+    tokenizer = AutoTokenizer.from_pretrained(cut_pretrained)
+    batch = tokenizer(TEXTS, return_tensors="pt", padding=True)
+    grads = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = adapters.apply(cfg, AutoModelForSequenceClassification.from_pretrained(cut_pretrained))
+        for name, p in model.named_parameters():  # LoRA's B starts at zero: make A's gradient non-zero too
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02)
+        activation_checkpointing.apply(model, checkpointed, env={})
+        assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules()) == checkpointed
+        model.train()
+        loss = model(**batch, labels=torch.tensor([1, 0, 1])).loss
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+    (plain_loss, plain), (ckpt_loss, ckpt) = grads
+    assert set(plain) == set(ckpt) and len(plain) == 2 * 12 + 4
+    assert all(g.abs().sum() > 0 for g in ckpt.values())  # every adapter and head tensor gets a gradient
+    worst = max(float((plain[n] - ckpt[n]).abs().max()) for n in plain)
+    print(f"gradient checkpointing with LoRA: loss {float(plain_loss):.6f} vs {float(ckpt_loss):.6f}, "
+          f"max |grad difference| {worst:.2e}")
+    assert torch.equal(plain_loss, ckpt_loss) and worst <= 1e-6
