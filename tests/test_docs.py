@@ -78,7 +78,9 @@ def record_points() -> set:
     the mean), which the docs may quote beside the bench's."""
     found = demo_pretrained.latest_record(REPO / "results", "lora")
     paired = (found[1].get("against_full") or {}) if found else {}
-    return {f"{100 * d:+.2f} points" for d in [*paired.get("differences", []), paired.get("mean_difference", 0.0)]}
+    if not paired:
+        return set()
+    return {f"{100 * d:+.2f} points" for d in [*paired["differences"], paired["mean_difference"]]}
 
 
 def test_docs_name_no_issue_numbers_and_link_to_existing_files():
