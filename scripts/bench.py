@@ -547,10 +547,16 @@ def run_one(spec: ModelSpec, name: str, round_: int, profile: Profile, runs_dir:
     return run
 
 
+def model_shape(spec: ModelSpec, lora_r: Optional[int] = None) -> memory_model.ModelShape:
+    """The memory model's shape of spec's model (a folder of the checkout, or a Hub id); with `lora_r`, of the
+    model with the recipe's default LoRA at that rank."""
+    path = str(REPO / spec.path) if (REPO / spec.path).exists() else spec.path
+    return memory_model.shape_from_model(path, lora_r=lora_r)
+
+
 def lora_shape(spec: ModelSpec) -> memory_model.ModelShape:
     """The memory model's shape of the `lora` run: the model with the recipe's default LoRA at rank LORA_R."""
-    return memory_model.shape_from_model(str(REPO / spec.path) if (REPO / spec.path).exists() else spec.path,
-                                         lora_r=LORA_R)
+    return model_shape(spec, LORA_R)
 
 
 def run_bench(profile: Profile, strategies=STRATEGIES, baselines=BASELINES, runs_dir: Path = REPO / "runs" / "bench",
@@ -570,7 +576,7 @@ def run_bench(profile: Profile, strategies=STRATEGIES, baselines=BASELINES, runs
     runs = []
     peaks = {}
     for m, spec in enumerate(profile.models):
-        shape = memory_model.shape_from_model(str(REPO / spec.path) if (REPO / spec.path).exists() else spec.path)
+        shape = model_shape(spec)
         for i, (name, round_) in enumerate(schedule, m * len(schedule)):
             for run in run_undisturbed(spec, name, round_, profile, runs_dir, recipe, n_gpus, shape, peaks, runs,
                                        log):
