@@ -471,7 +471,7 @@ def fake_bench(monkeypatch, tmp_path, disturbed: dict) -> tuple:
 
     monkeypatch.setattr(bench, "run_one", run_one)
     monkeypatch.setattr(bench, "visible_gpus", lambda: 0)
-    monkeypatch.setattr(bench.memory_model, "shape_from_model", lambda path: bench.memory_model.ModelShape(1))
+    monkeypatch.setattr(bench.memory_model, "shape_from_model", lambda path, lora_r=None: bench.memory_model.ModelShape(1))
     monkeypatch.setattr(bench, "padding_costs", lambda spec, profile: {})
     profile = bench.Profile(models=[bench.TINY], steps=4, warmup_steps=1, repeats=4)
     logged = []
