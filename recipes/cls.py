@@ -25,8 +25,8 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from recipes import (RecipeError, activation_checkpointing, adapters, checkpoint, compilation, contract, data,
-                     elastic, flag_checks, kernels, launch_checks, longrun, micro_batch, predict, problem, profiling,
-                     records, schedule, strategy, tasks, tracking)
+                     elastic, flag_checks, kernels, launch_checks, longrun, micro_batch, padding_free, predict, problem,
+                     profiling, records, schedule, strategy, tasks, tracking)
 from recipes.config import Config, parse_config  # the flags, each documented (recipes/config.py)
 from recipes.metrics import check_scores, compute_metrics, load_metrics
 from recipes.probe import Probe
@@ -38,12 +38,13 @@ def build_model(cfg: Config, names: list[str]):
     if cfg.random_init:
         config = AutoConfig.from_pretrained(cfg.model_name_or_path, **labels, **hub)
         with kernels.attention_refused(cfg):
-            return AutoModelForSequenceClassification.from_config(config, trust_remote_code=cfg.trust_remote_code,
-                                                                  **attention)
+            return padding_free.apply(cfg, AutoModelForSequenceClassification.from_config(
+                config, trust_remote_code=cfg.trust_remote_code, **attention))  # --padding_free: per-sequence attention
     with flag_checks.mismatched_sizes_refused(cfg), kernels.attention_refused(cfg):
         model = AutoModelForSequenceClassification.from_pretrained(
             cfg.model_name_or_path, **labels, **hub, **attention, ignore_mismatched_sizes=cfg.ignore_mismatched_sizes)
-    return adapters.apply(cfg, strategy.drop_unused_weight_renamings(model))  # --use_peft: LoRA, the base frozen
+    model = padding_free.apply(cfg, strategy.drop_unused_weight_renamings(model))
+    return adapters.apply(cfg, model)  # --use_peft: LoRA, the base frozen
 
 
 def param_groups(model, weight_decay: float) -> list[dict]:
@@ -160,7 +161,7 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
                 logits = model(**batch).logits
                 loss_sum = problem.loss_sum(cfg.problem_type, logits, labels)
                 accelerator.backward(loss_sum * loss_scale(accum, world, n_window))
-                log.add(loss_sum, batch["attention_mask"])
+                log.add(loss_sum, batch)
                 if accelerator.sync_gradients:
                     grad_norm = strategy.clip_gradients(accelerator, model, cfg.max_grad_norm)
                     overflow.before_step()

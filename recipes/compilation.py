@@ -45,7 +45,7 @@ from __future__ import annotations
 import os
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's modes
-MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
 
 
 def flag_problems(cfg) -> list[str]:
@@ -127,6 +127,9 @@ def mark_dynamic(inputs: dict, dims: tuple[int, ...]) -> None:
         tensor = inputs.get(name)
         if isinstance(tensor, torch.Tensor):
             torch._dynamo.maybe_mark_dynamic(tensor, list(dims))
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):  # --padding_free: the number of sequences
+        if isinstance(inputs.get(name), torch.Tensor):
+            torch._dynamo.maybe_mark_dynamic(inputs[name], 0)
 
 
 def uncompiled_names(state_dict: dict | None) -> dict | None:

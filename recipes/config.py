@@ -85,6 +85,9 @@ class Config:
     pad_to_multiple_of: Optional[int] = field(default=None, metadata={
         "help": "round each batch's padded length up to a multiple of N (8: tensor cores in bf16/fp16)"})
     group_by_length: bool = field(default=False, metadata={"help": "batches of similar lengths: less padding"})
+    padding_free: bool = field(default=False, metadata={
+        "help": "no padding positions: each micro-batch packed into one row, attention kept per sequence (TRL's "
+                "padding_free; exact, recipes/padding_free.py)"})
     eval_steps: Optional[int] = field(default=None, metadata={"help": "also evaluate every N optimizer steps"})
     data_parallel: bool = field(default=False, metadata={
         "help": "wrap in nn.DataParallel over visible GPUs (precision: ACCELERATE_MIXED_PRECISION=bf16|fp16|no)"})

@@ -93,6 +93,7 @@ EXEMPT = {
     "tf32": "matmul precision on GPUs, like the launch config's precision",
     "pad_to_max_length": "padding: the same sums over the real tokens",
     "pad_to_multiple_of": "padding: the same sums over the real tokens",
+    "padding_free": "padding: the same sums over the real tokens",
     "gradient_checkpointing": "the same gradients, recomputed",
     "torch_compile": "the same model, compiled",
     "torch_compile_mode": "the same model, compiled",

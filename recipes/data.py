@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from transformers import DataCollatorWithPadding
 
-from recipes import RecipeError, problem
+from recipes import RecipeError, padding_free, problem
 
 SAMPLE_IDS = "sample_ids"  # batch key of the example indices, present only when the test probe asks for them
 ROW = "row"  # batch key of the input row index of a prediction example
@@ -287,9 +287,15 @@ def prepare_eval_sets(cfg, tokenizer) -> list:
 
 def eval_loader(cfg, ds, tokenizer):
     """The evaluation loader of a validation set, batched and collated as build_loaders' (before prepare)."""
-    return torch.utils.data.DataLoader(ds, batch_size=cfg.per_device_eval_batch_size, collate_fn=Collator(
-        tokenizer, cfg.max_length, cfg.pad_to_max_length, cfg.pad_to_multiple_of), sampler=longest_first(ds, cfg),
-        generator=torch.Generator().manual_seed(cfg.seed))
+    return torch.utils.data.DataLoader(ds, batch_size=cfg.per_device_eval_batch_size, collate_fn=collator(
+        cfg, tokenizer), sampler=longest_first(ds, cfg), generator=torch.Generator().manual_seed(cfg.seed))
+
+
+def collator(cfg, tokenizer):
+    """The batches the flags ask for: padded (Collator), or packed without padding (--padding_free)."""
+    if cfg.padding_free:
+        return padding_free.PackingCollator(padding_free.position_start(cfg), SAMPLE_IDS)
+    return Collator(tokenizer, cfg.max_length, cfg.pad_to_max_length, cfg.pad_to_multiple_of)
 
 
 class Collator:
@@ -528,7 +534,7 @@ def build_loaders(cfg, train_ds, eval_ds, tokenizer, world_size: int, resume=Non
     --group_by_length groups the training order by the global batch of an optimizer step (EvenShardBatchSampler)
     and sorts the evaluation batches longest first.
     """
-    collate = Collator(tokenizer, cfg.max_length, cfg.pad_to_max_length, cfg.pad_to_multiple_of)
+    collate = collator(cfg, tokenizer)
     # On GPUs: batches collated by worker processes ahead of the step, in pinned memory so that the copy to the
     # device does not block (Accelerator(dataloader_config=non_blocking)). On CPU the main process collates: there
     # is no copy to hide, and worker processes would take cores from the training threads.

@@ -11,7 +11,7 @@ import contextlib
 import os
 from pathlib import Path
 
-from recipes import RecipeError, adapters, compilation, kernels, longrun, profiling, schedule
+from recipes import RecipeError, adapters, compilation, kernels, longrun, padding_free, profiling, schedule
 from recipes.problem import PROBLEM_TYPES
 
 TRUNCATIONS = ("longest_first", "only_first", "only_second")
@@ -100,6 +100,7 @@ def flag_problems(cfg) -> list[str]:
     if cfg.predict_file and not Path(cfg.predict_file).is_file():
         problems.append(f"predict file not found: {cfg.predict_file}")
     problems += adapters.flag_problems(cfg)  # --use_peft and the LoRA flags
+    problems += padding_free.flag_problems(cfg)
     return problems
 
 
@@ -185,6 +186,7 @@ def check_model_source(cfg):
     if path.is_dir() and not cfg.random_init:
         check_weights_fit(cfg, config)
     adapters.check_targets(cfg, config)  # --lora_target_modules names modules of this model
+    padding_free.check_model(cfg, config)  # --padding_free: an encoder it is exact for
     positions = getattr(config, "max_position_embeddings", None)
     if positions:
         if config.model_type in OFFSET_POSITIONS:

@@ -24,8 +24,7 @@ def write_predictions(cfg, accelerator, model, predict_ds, tokenizer, names: lis
     """
     loader = torch.utils.data.DataLoader(predict_ds, batch_size=cfg.per_device_eval_batch_size,
                                          sampler=data.longest_first(predict_ds, cfg),
-                                         collate_fn=data.Collator(tokenizer, cfg.max_length, cfg.pad_to_max_length,
-                                                                  cfg.pad_to_multiple_of))
+                                         collate_fn=data.collator(cfg, tokenizer))
     loader = accelerator.prepare(loader)
     model.eval()
     rows, logits_all, labels_all = [], [], []

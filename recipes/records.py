@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from recipes import compilation
+from recipes import compilation, padding_free
 
 REDACTED = "<redacted>"
 SECRET_FLAGS = ("hub_token",)  # never written: run_config.json and the trackers get REDACTED (recipes/tracking.py)
@@ -98,9 +98,10 @@ class StepLog:
         self.pending: list[tuple[dict, torch.Tensor]] = []
         self.on_flush = on_flush
 
-    def add(self, loss_sum: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        padded = torch.full((), attention_mask.numel(), dtype=torch.float32, device=self.window.device)  # no copy
-        self.window += torch.stack([loss_sum.detach().float(), attention_mask.sum().float(), padded])
+    def add(self, loss_sum: torch.Tensor, batch: dict) -> None:
+        tokens, computed = padding_free.token_counts(batch)  # padded or packed (--padding_free)
+        computed = torch.full((), computed, dtype=torch.float32, device=self.window.device)  # no copy
+        self.window += torch.stack([loss_sum.detach().float(), tokens, computed])
 
     def end_step(self, info: dict, grad_norm: torch.Tensor, stop_vote: float = 0.0) -> None:
         """`info` holds step, epoch, lr, samples (of the step on all ranks) and elapsed seconds; `stop_vote` 1.0 when

@@ -1,0 +1,185 @@
+"""--padding_free: every micro-batch runs without padding positions, exactly (TRL's name for the same idea).
+
+A padded batch of n sequences computes n x L positions (L its longest); the real tokens are R = sum of the lengths.
+Here the collator concatenates the n sequences into one row of R tokens and passes their boundaries; the model then
+runs its embeddings, every linear layer and the feed-forward on the R real positions only, and attention keeps each
+sequence to itself:
+- collator side (`PackingCollator`): input_ids (1, R), per-sequence position ids counted as the padded model counts
+  them (RoBERTa's family from pad_token_id + 1, the others from 0), token type ids for pairs, one label per sequence,
+  and the boundaries transformers' attention interface (5.23) reads: `cu_seq_lens_q/k` (int32, n + 1 offsets) and
+  `max_length_q/k` (the longest sequence). No attention mask: the boundaries are the mask.
+- model side (`apply`): attention through `padding_free_sdpa`, registered in transformers' AttentionInterface: the
+  packed queries, keys and values are re-padded per sequence to the longest (n x L, as the padded model's attention)
+  and go through torch's scaled_dot_product_attention with a key mask, then back to the R positions. On CUDA with
+  flash-attn installed, `--attn_implementation flash_attention_2` takes the boundaries directly (varlen kernels).
+  One block-diagonal mask over the packed row would also be exact, but costs R x R per head: about twice the padded
+  attention on the default data, so it is not used.
+  The sequence output is re-padded to (n, L, hidden) where the encoder hands it to the pooler or head (a forward hook
+  on that module): each head pools its own sequence's first token, as in the padded model.
+Exact: per sequence, the same positions, token types, attention and pooling as the padded model; the logits agree
+within float32 rounding (tests/test_padding_free.py states the bound). Dropout draws other random numbers, so
+losses with dropout agree in distribution only.
+
+Encoders whose attention goes through transformers' interface and whose position ids and boundaries reach it
+(checked for BERT, RoBERTa, XLM-R, CamemBERT, DistilBERT, ELECTRA, ALBERT, ModernBERT with `cls` pooling) are
+accepted; any other is refused at start-up in one line.
+"""
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+import torch.nn.functional as F
+
+from recipes import RecipeError
+
+NAME = "padding_free_sdpa"  # the attention implementation registered in transformers' AttentionInterface
+BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+# model_type -> the module whose output is the sequence output the pooler or head reads (a path under base_model)
+SEQUENCE_OUTPUT = {"bert": "encoder", "roberta": "encoder", "xlm-roberta": "encoder", "camembert": "encoder",
+                   "electra": "encoder", "albert": "encoder", "distilbert": "transformer", "modernbert": "final_norm"}
+# Position ids that start after the padding index (RoBERTa's create_position_ids_from_input_ids)
+OFFSET_POSITIONS = {"roberta", "xlm-roberta", "camembert"}
+SEQUENCE_KEYS = ("input_ids", "token_type_ids")  # per token; every other feature is one value per sequence
+
+
+def check_model(cfg, config) -> None:
+    """Start-up: --padding_free on an encoder it is exact for, without flags it cannot serve."""
+    if not cfg.padding_free:
+        return
+    if config.model_type not in SEQUENCE_OUTPUT:
+        raise RecipeError(f"--padding_free supports {', '.join(sorted(SEQUENCE_OUTPUT))}; {config.model_type} "
+                          f"({cfg.model_name_or_path}) does not route attention through transformers' attention "
+                          f"interface with sequence boundaries: drop --padding_free")
+    if config.model_type == "modernbert" and getattr(config, "classifier_pooling", "cls") != "cls":
+        raise RecipeError("--padding_free with ModernBERT needs classifier_pooling 'cls' (the mean pooling reads "
+                          "the padded attention mask): drop --padding_free")
+
+
+def flag_problems(cfg) -> list[str]:
+    problems = []
+    if cfg.padding_free and cfg.data_parallel:
+        problems.append("--padding_free packs a micro-batch into one row, which nn.DataParallel cannot split over "
+                        "its replicas: use a DDP launch config instead of --data_parallel")
+    if cfg.padding_free and cfg.pad_to_max_length:
+        problems.append("--padding_free and --pad_to_max_length ask for opposite batches: choose one")
+    if cfg.padding_free and cfg.attn_implementation not in (None, "sdpa", "flash_attention_2", "flash_attention_3"):
+        problems.append(f"--padding_free runs attention per sequence with sdpa or flash_attention_2/3, not "
+                        f"--attn_implementation {cfg.attn_implementation}")
+    return problems
+
+
+def position_start(cfg) -> int:
+    """The first position id of a sequence, as the model counts them when it is given none."""
+    from transformers import AutoConfig
+
+    from recipes.flag_checks import loading_kwargs  # here: flag_checks imports this module
+
+    config = AutoConfig.from_pretrained(cfg.model_name_or_path, **loading_kwargs(cfg))
+    return (config.pad_token_id or 0) + 1 if config.model_type in OFFSET_POSITIONS else 0
+
+
+class PackingCollator:
+    """One packed row per micro-batch: the sequences end to end, their boundaries, one label (and row index) each.
+
+    Example indices, when the examples carry them, travel as a plain list (as data.Collator's)."""
+
+    def __init__(self, start: int, ids_key: str):
+        self.start, self.ids_key = start, ids_key
+
+    def __call__(self, features):
+        ids = [f.pop(self.ids_key) for f in features] if self.ids_key in features[0] else None
+        lengths = [len(f["input_ids"]) for f in features]
+        batch = {key: torch.tensor([t for f in features for t in f[key]])[None]
+                 for key in SEQUENCE_KEYS if key in features[0]}
+        batch["position_ids"] = torch.cat([torch.arange(self.start, self.start + n) for n in lengths])[None]
+        bounds = torch.tensor([0, *accumulate(lengths)], dtype=torch.int32)
+        batch.update(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds.clone(), max_length_q=max(lengths),
+                     max_length_k=max(lengths))
+        for key in features[0]:
+            if key not in SEQUENCE_KEYS and key != "attention_mask":
+                batch[key] = torch.tensor([f[key] for f in features])
+        if ids is not None:
+            batch[self.ids_key] = ids
+        return batch
+
+
+def token_counts(batch) -> tuple[torch.Tensor, int]:
+    """(real tokens, positions the linear layers compute) of a micro-batch, packed or padded."""
+    if "cu_seq_lens_q" in batch:
+        n = batch["input_ids"].numel()
+        return torch.full((), n, dtype=torch.float32, device=batch["input_ids"].device), n
+    mask = batch["attention_mask"]
+    return mask.sum().float(), mask.numel()
+
+
+def _slots(bounds: torch.Tensor, longest: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For n sequences re-padded to `longest`: the packed index of each of the n x longest slots, and which are real."""
+    starts, lengths = bounds[:-1].long(), (bounds[1:] - bounds[:-1]).long()
+    offsets = torch.arange(longest, device=bounds.device)
+    return (starts[:, None] + offsets).clamp(max=total - 1), offsets < lengths[:, None]
+
+
+def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, cu_seq_lens_q=None,
+              max_length_q=None, sliding_window=None, **kwargs):
+    """transformers' attention interface (5.23): query/key/value (batch, heads, positions, head size) in, the output
+    (batch, positions, heads, head size) out. A packed row (boundaries given) runs per sequence; a padded batch (the
+    auto micro-batch probe's, a user's own call) runs as `sdpa`."""
+    if cu_seq_lens_q is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      sliding_window=sliding_window, **kwargs)
+    total = query.shape[2]
+    index, real = _slots(cu_seq_lens_q, max_length_q, total)
+
+    def padded(x):  # (1, heads, R, d) -> (n, heads, L, d)
+        return x[0].transpose(0, 1)[index].transpose(1, 2)
+
+    allowed = real[:, None, None, :]  # keys of the query's own sequence
+    if sliding_window is not None:  # ModernBERT's local layers (5.23 passes half the window + 1)
+        offsets = torch.arange(max_length_q, device=query.device)
+        allowed = allowed & ((offsets[:, None] - offsets[None, :]).abs() < sliding_window)
+    out = F.scaled_dot_product_attention(padded(query), padded(key), padded(value), attn_mask=allowed,
+                                         dropout_p=dropout, scale=scaling)
+    return out.transpose(1, 2)[real].unsqueeze(0), None  # (n, L, heads, d) -> (1, R, heads, d)
+
+
+class _Boundaries:
+    """The forward hooks: the boundaries of the batch being run (a pre-hook on the model), and the re-padding of
+    the sequence output (a hook on the module SEQUENCE_OUTPUT names)."""
+
+    def __init__(self):
+        self.bounds, self.longest = None, None
+
+    def take(self, module, args, kwargs):
+        self.bounds, self.longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+
+    def repad(self, module, args, output):
+        if self.bounds is None:
+            return output
+        hidden = output if isinstance(output, torch.Tensor) else output[0]  # (1, R, hidden)
+        index, real = _slots(self.bounds, self.longest, hidden.shape[1])
+        repadded = hidden[0][index] * real[..., None].to(hidden.dtype)  # (n, L, hidden), zeros where no token
+        if isinstance(output, torch.Tensor):
+            return repadded
+        output["last_hidden_state"] = repadded
+        return output
+
+
+def apply(cfg, model):
+    """--padding_free: the model attends per sequence and hands its head one re-padded row per sequence."""
+    if not cfg.padding_free:
+        return model
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, attention)
+    if cfg.attn_implementation not in ("flash_attention_2", "flash_attention_3"):
+        model.set_attn_implementation(NAME)
+    if model.config._attn_implementation not in (NAME, "flash_attention_2", "flash_attention_3"):
+        raise RecipeError(f"--padding_free: {type(model).__name__} kept attention "
+                          f"'{model.config._attn_implementation}'; drop --padding_free")
+    hooks = _Boundaries()
+    model.register_forward_pre_hook(hooks.take, with_kwargs=True)
+    model.base_model.get_submodule(SEQUENCE_OUTPUT[model.config.model_type]).register_forward_hook(hooks.repad)
+    return model
