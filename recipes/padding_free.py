@@ -172,8 +172,12 @@ def apply(cfg, model):
     if not cfg.padding_free:
         return model
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     AttentionInterface.register(NAME, attention)
+    # A padded batch (no boundaries) keeps its padding mask: transformers 5.23 builds no mask at all for an
+    # attention name that has no mask function (masking_utils._preprocess_mask_arguments), so sdpa's is registered.
+    AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     if cfg.attn_implementation not in ("flash_attention_2", "flash_attention_3"):
         model.set_attn_implementation(NAME)
     if model.config._attn_implementation not in (NAME, "flash_attention_2", "flash_attention_3"):

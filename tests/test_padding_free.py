@@ -1,0 +1,217 @@
+"""--padding_free (recipes/padding_free.py): exact per sequence, on every strategy, with resume and evaluation.
+
+In-process: every accepted architecture's packed logits (and gradients) against the padded model's, and proof that
+the comparison catches the two bugs users report (RoBERTa's positions counted from 0, sequences that see each
+other). Launched (7 runs of the dropout-free tiny model): dynamic padding on DDP as the reference; padding-free on
+one process, DDP, FSDP2, ZeRO-2 and ZeRO-3 with accumulation and a partial last window; a mid-epoch resume.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import types
+
+import pytest
+import torch
+
+from helpers import fp32_launch_args, losses, rank_records, read_jsonl, run_recipe
+from recipes import RecipeError, padding_free
+
+# Measured here (torch 2.13 CPU, float32): the packed and padded logits agree to 0.0 for every architecture below
+# (the same matmuls on the same rows); the bound allows float32 reordering on other machines. A 0-based RoBERTa
+# moves the logits by about 1e-2, one row attending to all the others by about 7e-5.
+LOGITS_ATOL = 1e-5
+ARCHS = ["bert", "roberta", "xlm-roberta", "camembert", "distilbert", "electra", "albert", "modernbert"]
+PAIRS = {"bert", "electra", "albert"}  # token type vocabularies of 2: the second segment gets type 1
+LENGTHS = [5, 13, 2, 9]  # longer than ModernBERT's local window below (8), so its sliding layers are exercised
+
+
+def tiny(arch: str):
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    sizes = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                 num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    extra = {"albert": dict(classifier_dropout_prob=0.0),
+             "distilbert": dict(dim=32, n_layers=2, n_heads=4, hidden_dim=64, dropout=0.0, attention_dropout=0.0,
+                                seq_classif_dropout=0.0),
+             "modernbert": dict(local_attention=8, global_attn_every_n_layers=2, embedding_dropout=0.0,
+                                mlp_dropout=0.0, attention_dropout=0.0, classifier_dropout=0.0, pad_token_id=0,
+                                bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)}.get(arch, {})
+    config = AutoConfig.for_model(arch, **sizes, **extra)
+    torch.manual_seed(0)
+    return AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa"), config
+
+
+def batches(config, arch: str, start: int):
+    """The same 4 sequences padded (with an attention mask) and packed (the recipe's collator)."""
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, 100, (n,), generator=gen).tolist() for n in LENGTHS]
+    types_ = [[0] * (n // 2) + [1] * (n - n // 2) for n in LENGTHS]
+    longest, pad = max(LENGTHS), config.pad_token_id or 0
+    padded = {"input_ids": torch.tensor([s + [pad] * (longest - len(s)) for s in seqs]),
+              "attention_mask": torch.tensor([[1] * len(s) + [0] * (longest - len(s)) for s in seqs])}
+    features = [{"input_ids": s, "labels": i % 3, "row": i} for i, s in enumerate(seqs)]
+    if arch in PAIRS:
+        padded["token_type_ids"] = torch.tensor([t + [0] * (longest - len(t)) for t in types_])
+        for f, t in zip(features, types_):
+            f["token_type_ids"] = t
+    packed = padding_free.PackingCollator(start, "sample_ids")(features)
+    return padded, packed, torch.tensor([f["labels"] for f in features])
+
+
+def start_of(config) -> int:
+    return (config.pad_token_id or 0) + 1 if config.model_type in padding_free.OFFSET_POSITIONS else 0
+
+
+ON = types.SimpleNamespace(padding_free=True, attn_implementation=None)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_logits_and_gradients_equal_the_padded_model(arch):
+    model, config = tiny(arch)
+    padded, packed, labels = batches(config, arch, start_of(config))
+    assert packed.pop("labels").tolist() == labels.tolist() and packed.pop("row").tolist() == [0, 1, 2, 3]
+    reference = {}
+    for mode in ("eval", "train"):  # no dropout: train mode computes the same numbers
+        getattr(model, mode)()
+        model.zero_grad()
+        logits = model(**padded).logits
+        torch.nn.functional.cross_entropy(logits, labels).backward()
+        reference[mode] = logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                            if p.grad is not None}
+    padding_free.apply(ON, model)
+    for mode in ("eval", "train"):
+        getattr(model, mode)()
+        model.zero_grad()
+        logits = model(**packed).logits
+        torch.nn.functional.cross_entropy(logits, labels).backward()
+        ref_logits, ref_grads = reference[mode]
+        delta = (logits - ref_logits).abs().max().item()
+        print(f"{arch} {mode}: max |logit diff| {delta:.2e}")
+        assert logits.shape == (len(LENGTHS), 3) and delta <= LOGITS_ATOL
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        assert grads.keys() == ref_grads.keys()
+        assert max((grads[n] - ref_grads[n]).abs().max().item() for n in grads) <= LOGITS_ATOL
+    model.eval()  # a padded batch still runs as before through the registered attention (sdpa without boundaries)
+    assert (model(**padded).logits - reference["eval"][0]).abs().max().item() <= LOGITS_ATOL
+
+
+def test_the_logits_test_catches_zero_based_positions_and_sequences_that_see_each_other(monkeypatch):
+    model, config = tiny("roberta")
+    model.eval()
+    padded, packed, _ = batches(config, "roberta", start_of(config))
+    zero_based = batches(config, "roberta", 0)[1]
+    for b in (packed, zero_based):
+        b.pop("labels"), b.pop("row")
+    with torch.no_grad():
+        reference = model(**padded).logits
+        padding_free.apply(ON, model)
+        assert (model(**packed).logits - reference).abs().max().item() <= LOGITS_ATOL
+        assert (model(**zero_based).logits - reference).abs().max().item() > 100 * LOGITS_ATOL
+        exact = padding_free.attention
+
+        def one_sequence(module, query, key, value, mask, cu_seq_lens_q=None, max_length_q=None, **kwargs):
+            whole = torch.tensor([0, query.shape[2]], dtype=torch.int32)  # every token sees every other
+            return exact(module, query, key, value, mask, cu_seq_lens_q=whole, max_length_q=query.shape[2], **kwargs)
+
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(padding_free.NAME, one_sequence)
+        try:
+            assert (model(**packed).logits - reference).abs().max().item() > 5 * LOGITS_ATOL
+        finally:
+            AttentionInterface.register(padding_free.NAME, exact)
+
+
+def test_collator_boundaries_positions_and_counts():
+    features = [{"input_ids": [0, 5, 6, 2], "labels": 1, "sample_ids": 7},
+                {"input_ids": [0, 9, 2], "labels": 0, "sample_ids": 3}]
+    batch = padding_free.PackingCollator(2, "sample_ids")(features)
+    assert batch["input_ids"].tolist() == [[0, 5, 6, 2, 0, 9, 2]]
+    assert batch["position_ids"].tolist() == [[2, 3, 4, 5, 2, 3, 4]]  # RoBERTa: from pad_token_id + 1
+    assert batch["cu_seq_lens_q"].tolist() == batch["cu_seq_lens_k"].tolist() == [0, 4, 7]
+    assert batch["cu_seq_lens_q"].dtype == torch.int32 and batch["max_length_q"] == batch["max_length_k"] == 4
+    assert batch["labels"].tolist() == [1, 0] and batch["sample_ids"] == [7, 3] and "attention_mask" not in batch
+    tokens, computed = padding_free.token_counts(batch)
+    assert float(tokens) == computed == 7
+    tokens, computed = padding_free.token_counts({"attention_mask": torch.tensor([[1, 1, 0], [1, 0, 0]])})
+    assert float(tokens) == 3 and computed == 6
+
+
+@pytest.mark.parametrize("arch", ["deberta-v2", "mpnet", "deberta"])
+def test_encoders_without_an_exact_path_are_refused_at_start(arch):
+    from transformers import AutoConfig
+
+    cfg = types.SimpleNamespace(padding_free=True, model_name_or_path=f"my-{arch}")
+    with pytest.raises(RecipeError, match=f"--padding_free supports .*; {arch} \\(my-{arch}\\)"):
+        padding_free.check_model(cfg, AutoConfig.for_model(arch))
+    modern = AutoConfig.for_model("modernbert", classifier_pooling="mean")
+    with pytest.raises(RecipeError, match="classifier_pooling 'cls'"):
+        padding_free.check_model(cfg, modern)
+
+
+def test_flags_it_cannot_serve_are_one_line_errors(tmp_path):
+    proc = run_recipe(tmp_path / "dp", "--padding_free", "--data_parallel", config=None, check=False)
+    assert proc.returncode == 2 and "nn.DataParallel cannot split" in proc.stderr
+    assert not (tmp_path / "dp" / "run_config.json").exists()
+    cfg = types.SimpleNamespace(padding_free=True, data_parallel=False, pad_to_max_length=True,
+                                attn_implementation="eager")
+    problems = padding_free.flag_problems(cfg)
+    assert len(problems) == 2 and "--pad_to_max_length" in problems[0] and "eager" in problems[1]
+
+
+# 200 samples, 2 ranks x 8 x accumulation 2 = 32 a step: 6 full steps and a partial 7th (8 samples); a checkpoint at
+# step 3 (mid-epoch) to resume from; every rank's sample ids recorded.
+RUN = ["--max_train_samples", "200", "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2",
+       "--checkpointing_steps", "3", "--record_ranks"]
+STRATEGY_ATOL = 5e-7  # float32 sums in another order (as tests/test_strategies.py's PARITY_ATOL)
+
+
+@pytest.fixture(scope="module")
+def runs(no_dropout_model, tmp_path_factory):
+    """Dynamic padding on DDP, and padding-free on DDP: the references every other launch compares with."""
+    root = tmp_path_factory.mktemp("padding_free")
+    flags = ["--model_name_or_path", str(no_dropout_model), *RUN]
+    run_recipe(root / "padded", *flags)
+    run_recipe(root / "packed", *flags, "--padding_free")
+    return root, flags
+
+
+def assert_same_training(ref, out, atol: float):
+    ref_records, got_records = read_jsonl(ref / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl")
+    assert len(got_records) == len(ref_records) == 7 and got_records[-1]["samples"] == 8
+    delta = max(abs(a - b) for a, b in zip(losses(ref), losses(out)))
+    print(f"{out.name}: max |loss diff| vs {ref.name} = {delta:.2e}")
+    assert delta <= atol
+    assert [r["tokens"] for r in got_records] == [r["tokens"] for r in ref_records]
+    assert all(r["padded_tokens"] == r["tokens"] for r in got_records)  # no position computed for padding
+    ref_eval, got_eval = read_jsonl(ref / "eval.jsonl")[-1], read_jsonl(out / "eval.jsonl")[-1]
+    assert got_eval["n_examples"] == ref_eval["n_examples"] == 101
+    assert abs(got_eval["loss"] - ref_eval["loss"]) <= 10 * atol + 1e-7
+
+
+def test_ddp_equals_dynamic_padding_and_resumes_exactly(runs, tmp_path):
+    root, flags = runs
+    padded, packed = root / "padded", root / "packed"
+    assert_same_training(padded, packed, 1e-6)
+    assert any(r["padded_tokens"] > r["tokens"] for r in read_jsonl(padded / "metrics.jsonl"))
+    for r_pad, r_pack in zip(rank_records(padded), rank_records(packed)):
+        assert r_pack["sample_ids"] == r_pad["sample_ids"]  # the same samples in every micro-batch
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copy(packed / "metrics.jsonl", resumed)
+    run_recipe(resumed, *flags, "--padding_free", "--resume_from_checkpoint",
+               str(packed / "checkpoints" / "step_3"))
+    assert losses(resumed) == losses(packed)  # exact: the same arithmetic after the checkpoint
+    assert read_jsonl(resumed / "eval.jsonl")[-1] == read_jsonl(packed / "eval.jsonl")[-1]
+    run_config = json.loads((packed / "run_config.json").read_text())
+    assert run_config["config"]["padding_free"] is True
+
+
+@pytest.mark.parametrize("config", [None, "fsdp.yaml", "zero2.yaml", "zero3.yaml"])
+def test_every_strategy_trains_the_dynamic_padding_losses(runs, tmp_path, config):
+    root, flags = runs
+    launch = fp32_launch_args(config, tmp_path) if config else []
+    one_process = [] if config else ["--per_device_train_batch_size", "16"]  # the same 32 samples a step
+    run_recipe(tmp_path / "run", *flags, *one_process, "--padding_free", config=config, launch_args=launch)
+    assert_same_training(root / "padded", tmp_path / "run", STRATEGY_ATOL if config else 1e-6)
