@@ -15,7 +15,8 @@ sequence to itself:
   One block-diagonal mask over the packed row would also be exact, but costs R x R per head: about twice the padded
   attention on the default data, so it is not used.
   The sequence output is re-padded to (n, L, hidden) where the encoder hands it to the pooler or head (a forward hook
-  on that module): each head pools its own sequence's first token, as in the padded model.
+  on that module, which gets the boundaries with its call): each head pools its own sequence's first token, as in
+  the padded model.
 Exact: per sequence, the same positions, token types, attention and pooling as the padded model; the logits agree
 within float32 rounding (tests/test_padding_free.py states the bound). Dropout draws other random numbers, so
 losses with dropout agree in distribution only.
@@ -35,9 +36,10 @@ from recipes import RecipeError
 
 NAME = "padding_free_sdpa"  # the attention implementation registered in transformers' AttentionInterface
 BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-# model_type -> the module whose output is the sequence output the pooler or head reads (a path under base_model)
-SEQUENCE_OUTPUT = {"bert": "encoder", "roberta": "encoder", "xlm-roberta": "encoder", "camembert": "encoder",
-                   "electra": "encoder", "albert": "encoder", "distilbert": "transformer", "modernbert": "final_norm"}
+# model_type -> the module whose output is the sequence output the pooler or head reads (a path under base_model;
+# "": the base model itself, which has no pooler in these sequence classifiers). Each receives the boundaries.
+SEQUENCE_OUTPUT = {"bert": "encoder", "albert": "encoder", "roberta": "", "xlm-roberta": "", "camembert": "",
+                   "electra": "", "distilbert": "", "modernbert": ""}
 # Position ids that start after the padding index (RoBERTa's create_position_ids_from_input_ids)
 OFFSET_POSITIONS = {"roberta", "xlm-roberta", "camembert"}
 SEQUENCE_KEYS = ("input_ids", "token_type_ids")  # per token; every other feature is one value per sequence
@@ -73,9 +75,9 @@ def position_start(cfg) -> int:
     """The first position id of a sequence, as the model counts them when it is given none."""
     from transformers import AutoConfig
 
-    from recipes.flag_checks import loading_kwargs  # here: flag_checks imports this module
-
-    config = AutoConfig.from_pretrained(cfg.model_name_or_path, **loading_kwargs(cfg))
+    # flag_checks.loading_kwargs' three flags, read here: flag_checks imports this module
+    config = AutoConfig.from_pretrained(cfg.model_name_or_path, revision=cfg.revision, cache_dir=cfg.cache_dir,
+                                        trust_remote_code=cfg.trust_remote_code)
     return (config.pad_token_id or 0) + 1 if config.model_type in OFFSET_POSITIONS else 0
 
 
@@ -114,10 +116,21 @@ def token_counts(batch) -> tuple[torch.Tensor, int]:
 
 
 def _slots(bounds: torch.Tensor, longest: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For n sequences re-padded to `longest`: the packed index of each of the n x longest slots, and which are real."""
-    starts, lengths = bounds[:-1].long(), (bounds[1:] - bounds[:-1]).long()
+    """For n sequences re-padded to `longest`: each packed token's slot in the n x longest grid (its sequence x
+    longest + its offset), and which slots hold a token (n, longest)."""
+    token = torch.arange(total, device=bounds.device)
+    sequence = torch.searchsorted(bounds[1:], token.to(bounds.dtype), right=True)
+    slot = sequence * longest + token - bounds[sequence].long()
     offsets = torch.arange(longest, device=bounds.device)
-    return (starts[:, None] + offsets).clamp(max=total - 1), offsets < lengths[:, None]
+    return slot, offsets < (bounds[1:] - bounds[:-1]).long()[:, None]
+
+
+def _padded(packed: torch.Tensor, slot: torch.Tensor, n: int, longest: int) -> torch.Tensor:
+    """(R, ...) -> (n, longest, ...), zeros where no token. A scatter to distinct slots: its backward is a gather.
+    (Gathering by an (n, longest) index instead has a backward that accumulates into repeated indices, which was
+    2.6x slower per call on CPU here.)"""
+    grid = packed.new_zeros(n * longest, *packed.shape[1:]).index_put((slot,), packed)
+    return grid.view(n, longest, *packed.shape[1:])
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, cu_seq_lens_q=None,
@@ -130,41 +143,36 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
-    total = query.shape[2]
-    index, real = _slots(cu_seq_lens_q, max_length_q, total)
+    n, longest = cu_seq_lens_q.shape[0] - 1, max_length_q
+    slot, real = _slots(cu_seq_lens_q, longest, query.shape[2])
 
     def padded(x):  # (1, heads, R, d) -> (n, heads, L, d)
-        return x[0].transpose(0, 1)[index].transpose(1, 2)
+        return _padded(x[0].transpose(0, 1), slot, n, longest).transpose(1, 2)
 
     allowed = real[:, None, None, :]  # keys of the query's own sequence
     if sliding_window is not None:  # ModernBERT's local layers (5.23 passes half the window + 1)
-        offsets = torch.arange(max_length_q, device=query.device)
+        offsets = torch.arange(longest, device=query.device)
         allowed = allowed & ((offsets[:, None] - offsets[None, :]).abs() < sliding_window)
     out = F.scaled_dot_product_attention(padded(query), padded(key), padded(value), attn_mask=allowed,
                                          dropout_p=dropout, scale=scaling)
-    return out.transpose(1, 2)[real].unsqueeze(0), None  # (n, L, heads, d) -> (1, R, heads, d)
+    # back to the packed row by each token's slot: a gather of known size R (selecting by the `real` mask would give
+    # torch.compile a data-dependent shape, a graph break in every layer)
+    out = out.transpose(1, 2).reshape(n * longest, *out.shape[1:2], out.shape[-1])  # (n x L, heads, d)
+    return out.index_select(0, slot).unsqueeze(0), None  # (1, R, heads, d)
 
 
-class _Boundaries:
-    """The forward hooks: the boundaries of the batch being run (a pre-hook on the model), and the re-padding of
-    the sequence output (a hook on the module SEQUENCE_OUTPUT names)."""
-
-    def __init__(self):
-        self.bounds, self.longest = None, None
-
-    def take(self, module, args, kwargs):
-        self.bounds, self.longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
-
-    def repad(self, module, args, output):
-        if self.bounds is None:
-            return output
-        hidden = output if isinstance(output, torch.Tensor) else output[0]  # (1, R, hidden)
-        index, real = _slots(self.bounds, self.longest, hidden.shape[1])
-        repadded = hidden[0][index] * real[..., None].to(hidden.dtype)  # (n, L, hidden), zeros where no token
-        if isinstance(output, torch.Tensor):
-            return repadded
-        output["last_hidden_state"] = repadded
+def repad(module, args, kwargs, output):
+    """A forward hook (with its module's keyword arguments) on the module SEQUENCE_OUTPUT names: a packed row's
+    sequence output (1, R, hidden) re-padded to (n, L, hidden), zeros where a sequence has no token. The boundaries
+    come with the call, not from a stash on an object: torch.compile would guard on a stored length (one graph per
+    longest length)."""
+    bounds = kwargs.get("cu_seq_lens_q")
+    if bounds is None:
         return output
+    hidden, longest = output[0], kwargs["max_length_q"]
+    slot, _ = _slots(bounds, longest, hidden.shape[1])
+    output["last_hidden_state"] = _padded(hidden[0], slot, bounds.shape[0] - 1, longest)
+    return output
 
 
 def apply(cfg, model):
@@ -183,7 +191,6 @@ def apply(cfg, model):
     if model.config._attn_implementation not in (NAME, "flash_attention_2", "flash_attention_3"):
         raise RecipeError(f"--padding_free: {type(model).__name__} kept attention "
                           f"'{model.config._attn_implementation}'; drop --padding_free")
-    hooks = _Boundaries()
-    model.register_forward_pre_hook(hooks.take, with_kwargs=True)
-    model.base_model.get_submodule(SEQUENCE_OUTPUT[model.config.model_type]).register_forward_hook(hooks.repad)
+    module = model.base_model.get_submodule(SEQUENCE_OUTPUT[model.config.model_type])
+    module.register_forward_hook(repad, with_kwargs=True)
     return model

@@ -215,3 +215,34 @@ def test_every_strategy_trains_the_dynamic_padding_losses(runs, tmp_path, config
     one_process = [] if config else ["--per_device_train_batch_size", "16"]  # the same 32 samples a step
     run_recipe(tmp_path / "run", *flags, *one_process, "--padding_free", config=config, launch_args=launch)
     assert_same_training(root / "padded", tmp_path / "run", STRATEGY_ATOL if config else 1e-6)
+
+
+def test_predictions_in_input_order_and_equal_to_the_padded_ones(tiny_model, tmp_path):
+    """One process, in-process: 37 rows of mixed lengths (one empty), padded, and packed with and without
+    --group_by_length (longest first): every row once, in input order, the same probabilities."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from helpers import TINY_FLAGS
+    from recipes import cls, data, predict
+
+    texts = [("好" * (1 + (i * 7) % 40)) + f" {i}" for i in range(36)] + [""]
+    path = tmp_path / "predict.jsonl"
+    path.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=2)
+    padding_free.apply(ON, model)  # padded batches keep their mask through the registered attention
+    written = {}
+    for name, flags in (("padded", []), ("packed", ["--padding_free"]),
+                        ("packed_grouped", ["--padding_free", "--group_by_length"])):
+        cfg = cls.parse_config([*TINY_FLAGS, "--predict_file", str(path), "--per_device_eval_batch_size", "8", *flags])
+        predict_ds = data.prepare_predict(cfg, tokenizer, ["negative", "positive"])
+        out = tmp_path / f"{name}.jsonl"
+        assert predict.write_predictions(cfg, Accelerator(cpu=True), model, predict_ds, tokenizer,
+                                         ["negative", "positive"], out) == len(texts)
+        written[name] = read_jsonl(out)
+    for name in ("packed", "packed_grouped"):
+        assert [r["row"] for r in written[name]] == list(range(len(texts)))
+        assert [r["prediction"] for r in written[name]] == [r["prediction"] for r in written["padded"]]
+        for a, b in zip(written["padded"], written[name]):
+            assert b["probabilities"] == pytest.approx(a["probabilities"], abs=LOGITS_ATOL)
