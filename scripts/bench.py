@@ -10,10 +10,11 @@ results to results/<date>_<device>_<host>.{md,json,png}, and docs/benchmark.md's
 (README.md quotes three headline ratios of it; tests/test_docs.py holds them to the latest results file).
 
 Runs per model: the recipe under each shipped strategy config (multi-process ones on every GPU, or 2 CPU processes),
-`python recipes/cls.py --data_parallel` where more than one GPU is visible, and seven baselines on one process:
+`python recipes/cls.py --data_parallel` where more than one GPU is visible, and nine baselines on one process:
 a hand-written PyTorch loop and transformers.Trainer (scripts/bench_baselines.py, with the recipe's fused AdamW), the
 recipe padding every batch to 128 tokens (--pad_to_max_length) instead of to the longest sequence, the recipe with
-length-grouped batches (--group_by_length), and the recipe with torch's per-parameter AdamW (`unfused`, --optim
+length-grouped batches (--group_by_length), without padding (`padding_free`, --padding_free: each micro-batch packed
+into one row) and both (`padding_free_grouped`), and the recipe with torch's per-parameter AdamW (`unfused`, --optim
 adamw_torch) or eager attention (`eager_attn`) instead of its defaults (recipes/kernels.py), the recipe training
 LoRA adapters of rank 8 and the head on the frozen model (`lora`, --use_peft: its model state and speed beside full
 fine-tuning's; skipped for a model built from random init, or without the lora extra); and `alternate`, the recipe,
@@ -87,20 +88,25 @@ REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 STRATEGIES = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "dataparallel")
-BASELINES = ("loop", "trainer", "pad128", "grouped", "unfused", "eager_attn", "lora", "alternate")
+BASELINES = ("loop", "trainer", "pad128", "grouped", "padding_free", "padding_free_grouped", "unfused", "eager_attn",
+             "lora", "alternate")
 # The baselines that are the recipe on one process (accelerate_configs/single.yaml) with other flags: padding to 128,
-# length-grouped batches, torch's per-parameter AdamW instead of the fused one, eager attention instead of SDPA
-# (the last two show what recipes/kernels.py's defaults give).
+# length-grouped batches, no padding (recipes/padding_free.py) without and with length-grouped batches, torch's
+# per-parameter AdamW instead of the fused one, eager attention instead of SDPA (the last two show what
+# recipes/kernels.py's defaults give).
 RECIPE_VARIANTS = {"pad128": ["--pad_to_max_length", "--max_length", "128"], "grouped": ["--group_by_length"],
+                   "padding_free": ["--padding_free"], "padding_free_grouped": ["--padding_free", "--group_by_length"],
                    "unfused": ["--optim", "adamw_torch"], "eager_attn": ["--attn_implementation", "eager"],
                    "lora": ["--use_peft", "--lora_r", "8"]}
 # `lora`: LoRA adapters (rank 8, the recipe's default targets) and the head on the frozen model (recipes/adapters.py);
 # its state is predicted with the same rank (memory_model.shape_from_model lora_r), beside full fine-tuning's `single`.
 LORA_R = 8
 # The one-process runs in interleaved rounds, in launch order: the pairs that the goals compare are neighbours
-# (pad128-grouped-single-loop) or one apart (single-trainer), and odd rounds run backwards (A B C, C B A, A B C, ...)
-# so that a slow drift of the machine's speed, which on a shared VM reaches 15% over a few minutes, cancels.
-COMPARED = ("pad128", "grouped", "single", "loop", "trainer", "unfused", "eager_attn", "lora")
+# (padding_free_grouped-grouped-single-padding_free) but pad128-grouped, one apart (grouped has three partners), as
+# are the recipe and the loop; odd rounds run backwards (A B C, C B A, A B C, ...) so that a slow drift of the
+# machine's speed, which on a shared VM reaches 15% over a few minutes, cancels.
+COMPARED = ("pad128", "padding_free_grouped", "grouped", "single", "padding_free", "loop", "trainer", "unfused",
+            "eager_attn", "lora")
 
 
 @dataclass

@@ -24,7 +24,10 @@ MIB = 1024**2
 # The goals the quick profile is held to (issue 13): medians over rounds, times of the same samples. The overheads
 # are judged in one process (the `alternate` run), where the three take turns every few steps on the same batches.
 GOALS = {"recipe_vs_hand_loop_same_process": ("<=", 1.03), "trainer_vs_recipe_same_process": (">=", 1.0),
-         "grouped_speedup_vs_pad128": (">=", 2.0), "grouped_speedup_vs_dynamic": (">=", 1.5)}
+         "grouped_speedup_vs_pad128": (">=", 2.0), "grouped_speedup_vs_dynamic": (">=", 1.5),
+         # padding-free batches: at least 0.85 of the speed-up that computing only the real tokens bounds (P/R), and
+         # grouped batches, already nearly without padding, not slowed by more than 3%
+         "padding_free_fraction_of_bound": (">=", 0.85), "padding_free_grouped_vs_grouped": (">=", 0.97)}
 ACCURACY_POINTS = 0.5  # grouped batches may move accuracy by at most this many points (mean over the rounds)
 COMM_TOLERANCE = 0.10  # measured / predicted communication further than this from 1 is explained below the table
 # Why a strategy's measured bytes per step depart from the textbook (2 psi (n-1)/n for DDP and ZeRO-1/2, 3 psi (n-1)/n
@@ -91,16 +94,54 @@ def spread(values: list, set_aside=(), kept=None) -> dict:
 # for the speedups the inverse
 TIME_RATIOS = {"recipe_vs_hand_loop_time": ("single", "loop"), "trainer_vs_recipe_time": ("trainer", "single"),
                "pad128_vs_dynamic_time": ("pad128", "single"), "grouped_speedup_vs_pad128": ("pad128", "grouped"),
-               "grouped_speedup_vs_dynamic": ("single", "grouped"), "fused_adamw_speedup": ("unfused", "single"),
-               "sdpa_speedup_vs_eager": ("eager_attn", "single"), "lora_speedup_vs_full": ("single", "lora")}
-ACCURACY_RUNS = ("single", "pad128", "grouped")
+               "grouped_speedup_vs_dynamic": ("single", "grouped"),
+               "padding_free_speedup_vs_dynamic": ("single", "padding_free"),
+               "padding_free_grouped_vs_grouped": ("grouped", "padding_free_grouped"),
+               "fused_adamw_speedup": ("unfused", "single"), "sdpa_speedup_vs_eager": ("eager_attn", "single"),
+               "lora_speedup_vs_full": ("single", "lora")}
+ACCURACY_RUNS = ("single", "pad128", "grouped", "padding_free", "padding_free_grouped")
+# variant - reference accuracy in points, per round: (key, variant, reference)
+ACCURACY_PAIRS = (("grouped_minus_dynamic_accuracy_points", "grouped", "single"),
+                  ("padding_free_minus_dynamic_accuracy_points", "padding_free", "single"))
+PADDING_FREE_RUNS = ("padding_free", "padding_free_grouped")  # their records count the positions computed
+
+
+def round_ratio(by_round: dict, a: str, b: str, disturbed: set, scale=None):
+    """a's epoch seconds / b's within each round that has both (times scale(round), where given), as spread over the
+    rounds, less those where either side was disturbed; None where no round has both."""
+    pairs = [(n, rnd[a]["epoch_s"] / rnd[b]["epoch_s"] * (scale(rnd) if scale else 1)) for n, rnd in by_round.items()
+             if a in rnd and b in rnd and rnd[a].get("epoch_s") and rnd[b].get("epoch_s")]
+    aside = [n for n, _ in pairs if {id(by_round[n][a]), id(by_round[n][b])} & disturbed]
+    return spread([v for _, v in pairs], aside, [n not in aside for n, _ in pairs]) if pairs else None
+
+
+def padding_free_figures(by_round: dict, disturbed: set) -> dict:
+    """The bound of padding_free's speed-up over dynamic padding, P/R: the positions the dynamic run (`single`)
+    computed over the real tokens, per round from its records (round 0's equals padding_costs' "dynamic"), the
+    fraction of it that the speed-up reached, round by round, and the real / computed positions of the padding-free
+    runs (their records' tokens / padded_tokens: 1 where nothing is padded)."""
+    out = {}
+    measured = {n: rnd for n, rnd in by_round.items()
+                if "padding_free" in rnd and (rnd.get("single") or {}).get("padding_efficiency")}
+    if measured:
+        out["padding_free_bound"] = spread([1 / rnd["single"]["padding_efficiency"] for rnd in measured.values()])
+        fraction = round_ratio(measured, "single", "padding_free", disturbed,
+                               lambda rnd: rnd["single"]["padding_efficiency"])
+        if fraction:
+            out["padding_free_fraction_of_bound"] = fraction
+    computed = {name: [rnd[name]["padding_efficiency"] for _, rnd in sorted(by_round.items())
+                       if (rnd.get(name) or {}).get("padding_efficiency")] for name in PADDING_FREE_RUNS}
+    if any(computed.values()):
+        out["padding_free_real_vs_computed"] = {name: spread(values) for name, values in computed.items() if values}
+    return out
 
 
 def ratios(runs: list) -> dict:
     """Per model: each ratio of TIME_RATIOS within each interleaved round (same seed, same samples), as median and
-    min-max over the rounds, leaving out the rounds where either side was disturbed (bench_load.screen); accuracy of
-    the padding variants per round; the memory and communication ratios of round 0. `runs` are the results' run
-    dicts."""
+    min-max over the rounds, leaving out the rounds where either side was disturbed (bench_load.screen); the bound of
+    the padding-free speed-up and the fraction of it reached (padding_free_figures); accuracy of the padding variants
+    per round and their difference from dynamic padding's; the memory and communication ratios of round 0. `runs`
+    are the results' run dicts."""
     out = {}
     for model in dict.fromkeys(r["model"] for r in runs):
         screened = bench_load.screen([r for r in runs if r["model"] == model and r["status"] == "ok"])
@@ -110,19 +151,19 @@ def ratios(runs: list) -> dict:
             by_round.setdefault(r.get("round", 0), {})[r["name"]] = r
         entry = {}
         for key, (a, b) in TIME_RATIOS.items():
-            pairs = [(n, rnd[a]["epoch_s"] / rnd[b]["epoch_s"]) for n, rnd in by_round.items()
-                     if a in rnd and b in rnd and rnd[a].get("epoch_s") and rnd[b].get("epoch_s")]
-            aside = [n for n, _ in pairs if {id(by_round[n][a]), id(by_round[n][b])} & disturbed]
-            if pairs:
-                entry[key] = spread([v for _, v in pairs], aside, [n not in aside for n, _ in pairs])
+            ratio = round_ratio(by_round, a, b, disturbed)
+            if ratio:
+                entry[key] = ratio
+        entry.update(padding_free_figures(by_round, disturbed))
         accuracy = {name: [rnd[name]["accuracy"] for _, rnd in sorted(by_round.items()) if name in rnd]
                     for name in ACCURACY_RUNS}
         entry["accuracy"] = {name: acc for name, acc in accuracy.items() if acc and None not in acc}
-        paired = [rnd["grouped"]["accuracy"] - rnd["single"]["accuracy"] for rnd in by_round.values()
-                  if "grouped" in rnd and "single" in rnd]
-        if paired:
-            entry["grouped_minus_dynamic_accuracy_points"] = spread([100 * d for d in paired])
-            entry["grouped_minus_dynamic_accuracy_points"]["mean"] = 100 * statistics.mean(paired)
+        for key, variant, reference in ACCURACY_PAIRS:
+            paired = [rnd[variant]["accuracy"] - rnd[reference]["accuracy"] for rnd in by_round.values()
+                      if variant in rnd and reference in rnd and None not in (rnd[variant]["accuracy"],
+                                                                             rnd[reference]["accuracy"])]
+            if paired:
+                entry[key] = {**spread([100 * d for d in paired]), "mean": 100 * statistics.mean(paired)}
         alternate = next((r for r in ok if r["name"] == "alternate" and r.get("alternate")), None)
         if alternate:
             blocks = alternate["alternate"]
@@ -219,6 +260,10 @@ RATIO_TEXT = {"recipe_vs_hand_loop_same_process": "recipe / hand-written loop, s
               "pad128_vs_dynamic_time": "pad-to-128 / dynamic padding",
               "grouped_speedup_vs_pad128": "grouped batches' speed-up over pad-to-128",
               "grouped_speedup_vs_dynamic": "grouped batches' speed-up over dynamic padding",
+              "padding_free_speedup_vs_dynamic": "padding-free batches' speed-up over dynamic padding",
+              "padding_free_bound": "bound of that speed-up, P/R: positions dynamic padding computes / real tokens",
+              "padding_free_fraction_of_bound": "padding-free batches' speed-up / its bound P/R",
+              "padding_free_grouped_vs_grouped": "padding-free grouped batches' speed-up over grouped batches",
               "fused_adamw_speedup": "fused AdamW's speed-up over torch's per-parameter AdamW (recipe, epoch)",
               "sdpa_speedup_vs_eager": "SDPA attention's speed-up over eager attention (recipe, epoch)",
               "lora_speedup_vs_full": "LoRA (r 8)'s speed-up over full fine-tuning (recipe, epoch)"}
@@ -258,6 +303,18 @@ def ratio_lines(results: dict) -> list:
             lines.append(f"- {model}, grouped - dynamic accuracy: **{diff['mean']:+.2f} points** mean (min "
                          f"{diff['min']:+.2f}, max {diff['max']:+.2f}; goal within {ACCURACY_POINTS}: "
                          f"{'met' if within else 'NOT met'})")
+        diff = entry.get("padding_free_minus_dynamic_accuracy_points")
+        if diff:  # the same model per sequence; only dropout draws other numbers: no goal
+            lines.append(f"- {model}, padding-free - dynamic accuracy: **{diff['mean']:+.2f} points** mean (min "
+                         f"{diff['min']:+.2f}, max {diff['max']:+.2f}; {rounds(diff)}; dropout draws differently)")
+        computed = entry.get("padding_free_real_vs_computed")
+        if computed:
+            every = all(r["min"] == r["max"] == 1 for r in computed.values())
+            lines.append(f"- {model}, real / computed positions of the padding-free runs (tokens / padded_tokens of "
+                         "their records): " + ", ".join(
+                             f"{name} {r['min']:.3f}" + (f"-{r['max']:.3f}" if r["max"] != r["min"] else "")
+                             + f" ({rounds(r)})" for name, r in computed.items())
+                         + f" (expected 1.000: {'met' if every else 'NOT met'})")
         state = entry.get("lora_state_vs_full")
         if state:
             lines.append(f"- {model}, LoRA (r 8) / full fine-tuning, model state per rank: **{state['ratio']:.3f}x** "
@@ -265,6 +322,10 @@ def ratio_lines(results: dict) -> list:
                          f"{state['lora_measured_vs_predicted']:.3f})")
         lines += disturbance_lines(model, entry.get("disturbed"))
     return lines
+
+
+def rounds(figure: dict) -> str:
+    return f"{figure['rounds']} round" + ("s" if figure["rounds"] != 1 else "")
 
 
 def disturbance_lines(model: str, summary) -> list:

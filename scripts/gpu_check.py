@@ -12,8 +12,11 @@ copied there: at 87 MiB it does not travel with a checkout), on that real pretra
 against the pinned hash and used as it is, with only config.json's dropout set to 0:
 - the reduced `BENCH=full` profile of scripts/bench.py (profile_and_spec below): every strategy of bench.STRATEGIES (one
   process per GPU; with one GPU each config runs with --num_processes 1; dataparallel only with 2 GPUs or more) and
-  the baselines (loop, trainer, pad128, grouped, unfused, eager_attn, lora, alternate), in bf16, 30 optimizer steps
-  of 16 samples per device, one round; launched, timed and measured by bench's own plan_command / execute / collect;
+  the baselines (loop, trainer, pad128, grouped, padding_free, padding_free_grouped, unfused, eager_attn, lora,
+  alternate), in bf16, 30 optimizer steps of 16 samples per device, one round; launched, timed and measured by
+  bench's own plan_command / execute / collect. padding_free computes the same samples per step as dynamic padding,
+  so its losses are held to the same reference and bound as `single`'s, and bench's ratios give its speed-up over
+  `single` beside the bound P/R; padding_free_grouped, like grouped, trains other samples per step: timed only;
 - the multi-machine configs (accelerate_configs/*multinode*.yaml) as two machines on this host, each with half the
   GPUs (CUDA_VISIBLE_DEVICES), machine 0's address the loopback, as tests/test_strategies.py rehearses them on CPU
   processes: each machine's own `accelerate launch --machine_rank i`, a static rendezvous, NCCL and the bf16 configs,
@@ -695,7 +698,7 @@ def compare(run: dict, reference: dict | None) -> dict:
         return {**out, "verdict": "not compared: the alternate run reports block times only"}
     mine = step_records(run["run_dir"])
     out["losses"] = [mine[s]["loss"] for s in sorted(mine)]
-    if run["name"] == "grouped":
+    if run["name"] in ("grouped", "padding_free_grouped"):
         return {**out, "verdict": "not compared: length-grouped batches hold other samples per step"}
     if run["name"] == "lora":
         return {**out, "verdict": "not compared: LoRA trains adapters on the frozen model, another training"}

@@ -223,20 +223,27 @@ def test_schedule_interleaves_the_compared_runs_then_runs_the_strategies_once():
     assert got == [("grouped", 0), ("single", 0), ("loop", 0), ("loop", 1), ("single", 1), ("grouped", 1),
                    ("grouped", 2), ("single", 2), ("loop", 2), ("ddp", 0), ("zero2", 0), ("dataparallel", 0)]
     assert bench.schedule_runs(("zero2",), repeats=3) == [("zero2", 0)]
+    # every run: the pairs of the goals on time launch next to each other, pad128-grouped one apart
+    first = [name for name, r in bench.schedule_runs((*bench.STRATEGIES, *bench.BASELINES), 2) if r == 0]
+    for a, b, apart in (("padding_free_grouped", "grouped", 1), ("grouped", "single", 1),
+                        ("single", "padding_free", 1), ("pad128", "grouped", 2)):
+        assert abs(first.index(a) - first.index(b)) == apart, (a, b)
 
 
 def test_every_run_gets_the_machine_in_threads_and_grouped_gets_its_flag(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "available_cores", lambda: 8)
     assert [bench.threads_of(w) for w in (1, 2, 3, 16)] == [8, 4, 2, 1]
     profile = bench.PROFILES["quick"]
-    for name, round_ in (("grouped", 2), ("pad128", 0), ("ddp", 0), ("unfused", 1), ("eager_attn", 3)):
+    for name, round_ in (("grouped", 2), ("pad128", 0), ("ddp", 0), ("unfused", 1), ("eager_attn", 3),
+                         ("padding_free", 1), ("padding_free_grouped", 2)):
         run = bench.Run(model="tiny", name=name, kind="baseline", round=round_, seed=42 + round_,
                         threads=bench.threads_of(bench.world_of(name, 0)))
         command = bench.plan_command(run, bench.TINY, profile, tmp_path / name, tmp_path, "recipes/cls.py", 0)
         args = dict(zip(command, command[1:]))
         assert args["--seed"] == str(42 + round_) and args["--cpu_threads"] == str(run.threads)
         assert args["--config_file"] == f"accelerate_configs/{'ddp' if name == 'ddp' else 'single'}.yaml"
-        assert ("--group_by_length" in command) == (name == "grouped")
+        assert ("--group_by_length" in command) == (name in ("grouped", "padding_free_grouped"))
+        assert ("--padding_free" in command) == name.startswith("padding_free")
         assert ("--pad_to_max_length" in command) == (name == "pad128")
         assert args.get("--optim") == ("adamw_torch" if name == "unfused" else None)  # else the recipe's default
         assert args.get("--attn_implementation") == ("eager" if name == "eager_attn" else None)
@@ -451,23 +458,35 @@ def test_others_share_takes_the_worst_stretch_as_long_as_the_epoch():
     assert bench_load.others_share(samples, 100.0) == pytest.approx(2 / 16)  # longer than the launch: all of it
 
 
-def fake_bench(monkeypatch, tmp_path, disturbed: dict) -> tuple:
-    """run_bench on pad128 and grouped, 4 rounds, without launching: each run's epoch is pad128 10 s x (1 + round /
-    100) and grouped 5 s x (1 + round / 50), and `disturbed` maps (name, round, attempt) to (epoch factor, CPU share,
-    others' share) for the attempts that other work slowed (every other one: share 0.9, others 0.02)."""
+def fake_bench(monkeypatch, tmp_path, disturbed: dict, strategies=(), baselines=("pad128", "grouped"),
+               figures=None) -> tuple:
+    """run_bench on `strategies` and `baselines` (pad128 and grouped), 4 rounds, without launching: each run's epoch is
+    pad128 10 s x (1 + round / 100) and grouped 5 s x (1 + round / 50), or where `figures` maps (name, round) to
+    (epoch s, padded tokens per step, accuracy), that, its records counting 300 real tokens per step; `disturbed` maps
+    (name, round, attempt) to (epoch factor, CPU share, others' share) for the attempts that other work slowed (every
+    other one: share 0.9, others 0.02). Each run's command is planned as run_one plans it (bench.plan_command)."""
     launched = []
 
     def run_one(spec, name, round_, profile, runs_dir, recipe, n_gpus, shape, peaks, attempt=0):
         slow, share, others = disturbed.get((name, round_, attempt), (1.0, 0.9, 0.02))
-        epoch = (10.0 * (1 + round_ / 100) if name == "pad128" else 5.0 * (1 + round_ / 50)) * slow
+        epoch = (10.0 * (1 + round_ / 100) if name == "pad128" else 5.0 * (1 + round_ / 50))
+        step = {"samples": 16, "tokens": 100}
+        accuracy = 0.5
+        if figures and (name, round_) in figures:
+            epoch, padded, accuracy = figures[(name, round_)]
+            step = {"samples": 16, "tokens": 300, "padded_tokens": padded}
+        epoch *= slow
         run_dir = tmp_path / f"{name}_r{round_}_a{attempt}"
         run_dir.mkdir()
-        (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"elapsed": epoch * (i + 1) / 4, "samples": 16,
-                                                                   "tokens": 100}) + "\n" for i in range(4)))
+        metrics = [{"elapsed": epoch * (i + 1) / 4, **step} for i in range(4)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
         launched.append((name, round_, attempt))
-        return bench.Run(model="tiny", name=name, kind="baseline", round=round_, seed=42 + round_, attempt=attempt,
-                         world=1, threads=2, epoch_s=epoch, cpu_share=share, others_share=others / 2,
-                         others_peak=others, accuracy=0.5, run_dir=str(run_dir))
+        run = bench.Run(model="tiny", name=name, kind="baseline", round=round_, seed=42 + round_, attempt=attempt,
+                        world=1, threads=2, epoch_s=epoch, cpu_share=share, others_share=others / 2,
+                        others_peak=others, accuracy=accuracy, run_dir=str(run_dir),
+                        padding_efficiency=bench_report.epoch_figures(metrics)["padding_efficiency"])
+        run.command = bench.plan_command(run, spec, profile, run_dir, runs_dir, recipe, n_gpus)
+        return run
 
     monkeypatch.setattr(bench, "run_one", run_one)
     monkeypatch.setattr(bench, "visible_gpus", lambda: 0)
@@ -475,7 +494,7 @@ def fake_bench(monkeypatch, tmp_path, disturbed: dict) -> tuple:
     monkeypatch.setattr(bench, "padding_costs", lambda spec, profile: {})
     profile = bench.Profile(models=[bench.TINY], steps=4, warmup_steps=1, repeats=4)
     logged = []
-    results = bench.run_bench(profile, strategies=(), baselines=("pad128", "grouped"), runs_dir=tmp_path,
+    results = bench.run_bench(profile, strategies=strategies, baselines=baselines, runs_dir=tmp_path,
                               log=logged.append)
     results["command"] = "test"
     return results, launched, logged
@@ -519,6 +538,82 @@ def test_an_undisturbed_bench_launches_each_run_once(monkeypatch, tmp_path):
     results, launched, _ = fake_bench(monkeypatch, tmp_path, {})
     assert len(launched) == 8
     assert bench_report.ratio_lines(results)[-1].startswith("- tiny, disturbed runs: none (disturbed: CPU share")
+
+
+def test_padding_free_rows_are_interleaved_beside_dynamic_and_grouped_and_reported(monkeypatch, tmp_path):
+    """`padding_free` (--padding_free) and `padding_free_grouped` (--padding_free --group_by_length): the recipe on one
+    process, launched in the interleaved rounds next to the run each is compared with (single, grouped), odd rounds
+    backwards. From given epochs, real / padded tokens and accuracies: the speed-up over dynamic padding beside its
+    bound P/R (single's padded / real tokens of the same round) and the fraction reached, round by round; grouped /
+    padding-free grouped; the real / computed positions of the padding-free runs, from their records; the accuracy
+    difference, without a goal."""
+    single_padded = {0: 800, 1: 750, 2: 800, 3: 750}  # real / padded 0.375, 0.4: bound 2.667, 2.5
+    free_epoch = {0: 5.0, 1: 4.8, 2: 5.2, 3: 6.0}  # speed-up 2.4, 2.5, 2.308, 2.0
+    free_grouped_epoch = {0: 4.0, 1: 4.2, 2: 4.1, 3: 3.9}  # grouped 4 s: 1.0, 0.952, 0.976, 1.026
+    accuracy = {0: (0.600, 0.604), 1: (0.610, 0.612), 2: (0.590, 0.588), 3: (0.620, 0.620)}  # single, padding_free
+    figures = {}
+    for r in range(4):
+        figures.update({("single", r): (12.0, single_padded[r], accuracy[r][0]),
+                        ("padding_free", r): (free_epoch[r], 300, accuracy[r][1]),
+                        ("grouped", r): (4.0, 400, 0.58),
+                        ("padding_free_grouped", r): (free_grouped_epoch[r], 300, 0.58)})
+    results, launched, _ = fake_bench(monkeypatch, tmp_path, {}, strategies=("single",),
+                                      baselines=("grouped", "padding_free", "padding_free_grouped"), figures=figures)
+    order = ["padding_free_grouped", "grouped", "single", "padding_free"]
+    assert launched == [(name, r, 0) for r in range(4) for name in (order[::-1] if r % 2 else order)]
+    for run in results["runs"]:
+        command = run["command"]
+        args = dict(zip(command, command[1:]))
+        assert args["--config_file"] == "accelerate_configs/single.yaml" and args["--num_processes"] == "1"
+        assert args["--seed"] == str(42 + run["round"])
+        assert ("--padding_free" in command) == run["name"].startswith("padding_free"), run["name"]
+        assert ("--group_by_length" in command) == run["name"].endswith("grouped"), run["name"]
+
+    got = results["ratios"]["tiny"]
+    assert got["padding_free_speedup_vs_dynamic"] == pytest.approx(
+        {"median": (12 / 5.2 + 2.4) / 2, "min": 2.0, "max": 2.5, "rounds": 4})
+    assert got["padding_free_bound"] == pytest.approx({"median": (8 / 3 + 2.5) / 2, "min": 2.5, "max": 8 / 3,
+                                                       "rounds": 4})
+    # speed-up x real / padded: 2.4 x 0.375, 2.5 x 0.4, 2.308 x 0.375, 2.0 x 0.4
+    assert got["padding_free_fraction_of_bound"] == pytest.approx(
+        {"median": (0.9 + 12 / 5.2 * 0.375) / 2, "min": 0.8, "max": 1.0, "rounds": 4})
+    assert got["padding_free_grouped_vs_grouped"] == pytest.approx(
+        {"median": (4 / 4.1 + 1.0) / 2, "min": 4 / 4.2, "max": 4 / 3.9, "rounds": 4})
+    assert got["padding_free_real_vs_computed"] == {
+        name: {"median": 1.0, "min": 1.0, "max": 1.0, "rounds": 4} for name in ("padding_free", "padding_free_grouped")}
+    diff = got["padding_free_minus_dynamic_accuracy_points"]
+    assert diff == pytest.approx({"median": 0.1, "min": -0.2, "max": 0.4, "rounds": 4, "mean": 0.1})
+    assert got["accuracy"]["padding_free"] == [0.604, 0.612, 0.588, 0.620]
+
+    text = "\n".join(bench_report.ratio_lines(results))
+    assert "- tiny, padding-free batches' speed-up over dynamic padding: **2.354x** (min 2.000, max 2.500; 4 " \
+           "interleaved rounds)\n" in text
+    assert "- tiny, bound of that speed-up, P/R: positions dynamic padding computes / real tokens: **2.583x** (min " \
+           "2.500, max 2.667; 4 interleaved rounds)\n" in text
+    assert "- tiny, padding-free batches' speed-up / its bound P/R: **0.883x** (min 0.800, max 1.000; 4 interleaved " \
+           "rounds) (goal >= 0.85: met)\n" in text
+    assert "- tiny, padding-free grouped batches' speed-up over grouped batches: **0.988x** (min 0.952, max 1.026; 4 " \
+           "interleaved rounds) (goal >= 0.97: met)\n" in text
+    assert "- tiny, padding-free - dynamic accuracy: **+0.10 points** mean (min -0.20, max +0.40; 4 rounds; dropout " \
+           "draws differently)\n" in text
+    assert "- tiny, real / computed positions of the padding-free runs (tokens / padded_tokens of their records): " \
+           "padding_free 1.000 (4 rounds), padding_free_grouped 1.000 (4 rounds) (expected 1.000: met)\n" in text
+    table = bench_report.markdown_table(results)
+    assert "| tiny | padding_free | 1 | 2 | fp32 | - | - | 1.000 |" in table
+    assert "| tiny | single | 1 | 2 | fp32 | - | - | 0.375 |" in table
+    # --rerender: the same figures from the runs' records
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    assert bench_report.rerender(path)["ratios"]["tiny"] == got
+    # a padding-free run that computed padding positions, and a round whose padding_free run is missing
+    runs = [r for r in results["runs"] if not (r["name"] == "padding_free" and r["round"] == 3)]
+    runs = [dict(r, padding_efficiency=0.99) if r["name"] == "padding_free_grouped" and r["round"] == 1 else r
+            for r in runs]
+    got = bench_report.ratios(runs)["tiny"]
+    assert got["padding_free_bound"]["rounds"] == got["padding_free_fraction_of_bound"]["rounds"] == 3
+    assert got["padding_free_real_vs_computed"]["padding_free_grouped"]["min"] == 0.99
+    assert "padding_free_grouped 0.990-1.000 (4 rounds) (expected 1.000: NOT met)" in "\n".join(
+        bench_report.ratio_lines({"ratios": {"tiny": got}}))
 
 
 def test_same_process_ratios_leave_out_disturbed_blocks():

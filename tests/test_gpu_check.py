@@ -173,13 +173,14 @@ class FakeGPUs:
             batch = int(flag(command, "--per_device_train_batch_size")) * world * \
                 int(flag(command, "--gradient_accumulation_steps", 1))
         reference = "--tf32" in command
+        padded = 40 * batch if "--padding_free" in command else 60 * batch  # packed: every position a token
         records = []
         for step in range(1, STEPS + 1):
             loss = reference_loss(step, batch)
             if not reference:
                 loss += 0.002 * step if run_dir.name.endswith(BROKEN) else (-1) ** step * 1e-3
             records.append({"step": step, "epoch": 0, "lr": 1e-4, "samples": batch, "loss": loss,
-                            "tokens": 40 * batch, "padded_tokens": 60 * batch, "elapsed": 0.1 * step,
+                            "tokens": 40 * batch, "padded_tokens": padded, "elapsed": 0.1 * step,
                             "grad_norm": (2.0 + 0.01 * step) * (1.0 if reference else 1.01)})
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         (run_dir / "eval.jsonl").write_text(json.dumps({"step": STEPS, "accuracy": 0.62, "n_examples": 256}) + "\n")
@@ -241,8 +242,8 @@ def test_fake_gpu_run_resumes_by_parts_and_writes_every_field(fake_gpus, tmp_pat
     refs = results["references"]
     assert refs["reference_b16"]["losses"] == pytest.approx([reference_loss(s, 16) for s in range(1, 31)])
     assert refs["reference_b32"]["losses"] == pytest.approx([reference_loss(s, 32) for s in range(1, 31)])
-    for name, batch in {"single": 16, "loop": 16, "pad128": 16, "ddp": 32, "zero3_offload": 32, "dataparallel": 32,
-                        "multinode": 32, "zero2_multinode": 32}.items():
+    for name, batch in {"single": 16, "loop": 16, "pad128": 16, "padding_free": 16, "ddp": 32, "zero3_offload": 32,
+                        "dataparallel": 32, "multinode": 32, "zero2_multinode": 32}.items():
         c = configs[name]
         assert (c["effective_batch"], c["reference"]) == (batch, f"reference_b{batch}")
         assert c["reference_losses"] == refs[f"reference_b{batch}"]["losses"]
@@ -250,6 +251,8 @@ def test_fake_gpu_run_resumes_by_parts_and_writes_every_field(fake_gpus, tmp_pat
         assert c["grad_norm_median_rel_diff"] == pytest.approx(0.01) and c["verdict"] == "within bound"
     assert configs[BROKEN]["loss_max_abs_diff"] == pytest.approx(0.06) and configs[BROKEN]["verdict"] == "OUTSIDE bound"
     assert configs["grouped"]["verdict"].startswith("not compared: length-grouped")
+    assert configs["padding_free_grouped"]["verdict"].startswith("not compared: length-grouped")
+    assert configs["padding_free"]["config"] == "accelerate_configs/single.yaml --num_processes 1 --padding_free"
     assert configs["lora"]["verdict"].startswith("not compared: LoRA")
     assert configs["alternate"]["verdict"].startswith("not compared") and configs["alternate"]["losses"] is None
 
@@ -302,6 +305,14 @@ def test_fake_gpu_run_resumes_by_parts_and_writes_every_field(fake_gpus, tmp_pat
                or line.startswith("| python recipes/cls.py") for line in md.splitlines()) == \
         len(configs) + len(results["fp16_overflow"])
     assert md.count("OUTSIDE bound") == 1 and "2x NVIDIA H100 80GB HBM3" in md
+    # bench's ratios of the same runs: padding_free against dynamic padding (`single`) in bf16, beside the bound P/R
+    entry = results["bench"]["ratios"]["roberta-base"]
+    assert entry["padding_free_speedup_vs_dynamic"]["median"] == pytest.approx(1.0)  # the same step times
+    assert entry["padding_free_bound"]["median"] == pytest.approx(1.5)  # single: 60 positions per 40 tokens
+    assert entry["padding_free_fraction_of_bound"]["median"] == pytest.approx(2 / 3)
+    assert entry["padding_free_real_vs_computed"]["padding_free"]["min"] == 1.0
+    assert "padding-free batches' speed-up / its bound P/R: **0.667x** (min 0.667, max 0.667; 1 interleaved " \
+           "rounds) (goal >= 0.85: NOT met)" in md
 
 
 def test_only_checks_the_named_configs_and_writes_their_results(fake_gpus, tmp_path):
