@@ -246,3 +246,32 @@ def test_predictions_in_input_order_and_equal_to_the_padded_ones(tiny_model, tmp
         assert [r["prediction"] for r in written[name]] == [r["prediction"] for r in written["padded"]]
         for a, b in zip(written["padded"], written[name]):
             assert b["probabilities"] == pytest.approx(a["probabilities"], abs=LOGITS_ATOL)
+
+
+def test_compiled_model_keeps_one_graph_over_new_lengths_and_counts(monkeypatch):
+    """torch.compile with dynamic shapes (the recipe's --torch_compile plugin on dynamic batches): packed rows of other
+    lengths and sequence counts reuse the graph; the logits are the eager ones."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from recipes import compilation
+
+    model, config = tiny("roberta")
+    model.eval()
+    padding_free.apply(ON, model)
+    gen = torch.Generator().manual_seed(3)
+    rows = []
+    for count in (4, 3, 5, 4):  # other sequence counts, lengths and longest lengths each call
+        lengths = torch.randint(2, 30, (count,), generator=gen).tolist()
+        features = [{"input_ids": torch.randint(3, 100, (n,), generator=gen).tolist()} for n in lengths]
+        rows.append(padding_free.PackingCollator(start_of(config), "sample_ids")(features))
+    with torch.no_grad():
+        eager = [model(**row).logits for row in rows]
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, dynamic=True)
+    with torch.no_grad():
+        for row, expected in zip(rows, eager):
+            compilation.mark_dynamic(row, (0, 1))
+            assert (compiled(**row).logits - expected).abs().max().item() <= LOGITS_ATOL
+    assert counters["stats"]["unique_graphs"] == 1
