@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from recipes import RecipeError
 
 NAME = "padding_free_sdpa"  # the attention implementation registered in transformers' AttentionInterface
-BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 # model_type -> the module whose output is the sequence output the pooler or head reads (a path under base_model;
 # "": the base model itself, which has no pooler in these sequence classifiers). Each receives the boundaries.
 SEQUENCE_OUTPUT = {"bert": "encoder", "albert": "encoder", "roberta": "", "xlm-roberta": "", "camembert": "",

@@ -275,3 +275,19 @@ def test_compiled_model_keeps_one_graph_over_new_lengths_and_counts(monkeypatch)
             compilation.mark_dynamic(row, (0, 1))
             assert (compiled(**row).logits - expected).abs().max().item() <= LOGITS_ATOL
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_lora_adapters_on_the_packed_model_give_the_padded_logits():
+    """--use_peft wraps the model after --padding_free (recipes/cls.py build_model): PEFT's forward passes the
+    boundaries and position ids on to the hooked model."""
+    from peft import LoraConfig, get_peft_model
+
+    model, config = tiny("roberta")
+    padded, packed, _ = batches(config, "roberta", start_of(config))
+    packed.pop("labels"), packed.pop("row")
+    padding_free.apply(ON, model)
+    wrapped = get_peft_model(model, LoraConfig(r=4, target_modules=["query", "value"], task_type="SEQ_CLS")).eval()
+    with torch.no_grad():
+        for layer in wrapped.base_model.model.roberta.encoder.layer:  # non-zero adapters: B starts at zero
+            torch.nn.init.normal_(layer.attention.self.query.lora_B["default"].weight)
+        assert (wrapped(**packed).logits - wrapped(**padded).logits).abs().max().item() <= LOGITS_ATOL
