@@ -15,9 +15,6 @@ from recipes import RecipeError, adapters, compilation, kernels, longrun, paddin
 from recipes.problem import PROBLEM_TYPES
 
 TRUNCATIONS = ("longest_first", "only_first", "only_second")
-# Models whose position ids start after the padding index (RoBERTa's create_position_ids_from_input_ids):
-# pad_token_id + 1 of the max_position_embeddings slots are never used by a token (514 - 2 = 512 for roberta-base).
-OFFSET_POSITIONS = {"roberta", "xlm-roberta", "camembert", "longformer", "data2vec-text", "xmod", "roberta-prelayernorm"}
 # What a tokenizer is read from (transformers 5.23: tokenizer.json, or the slow tokenizers' vocabulary files).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "merges.txt", "spm.model",
                    "spiece.model", "sentencepiece.bpe.model", "tokenizer.model")
@@ -189,8 +186,7 @@ def check_model_source(cfg):
     padding_free.check_model(cfg, config)  # --padding_free: an encoder it is exact for
     positions = getattr(config, "max_position_embeddings", None)
     if positions:
-        if config.model_type in OFFSET_POSITIONS:
-            positions -= (config.pad_token_id or 0) + 1
+        positions -= padding_free.first_position(config)  # RoBERTa's family: the slots before its first position
         if cfg.max_length > positions:
             raise RecipeError(f"--max_length {cfg.max_length} exceeds the {positions} positions of "
                               f"{cfg.model_name_or_path}; use --max_length {positions} or less")

@@ -39,8 +39,10 @@ NAME = "padding_free_sdpa"  # the attention implementation registered in transfo
 # "": the base model itself, which has no pooler in these sequence classifiers). Each receives the boundaries.
 SEQUENCE_OUTPUT = {"bert": "encoder", "albert": "encoder", "roberta": "", "xlm-roberta": "", "camembert": "",
                    "electra": "", "distilbert": "", "modernbert": ""}
-# Position ids that start after the padding index (RoBERTa's create_position_ids_from_input_ids)
-OFFSET_POSITIONS = {"roberta", "xlm-roberta", "camembert"}
+# Models whose position ids start after the padding index (RoBERTa's create_position_ids_from_input_ids):
+# pad_token_id + 1 of the max_position_embeddings slots are never used by a token (514 - 2 = 512 for roberta-base).
+OFFSET_POSITIONS = {"roberta", "xlm-roberta", "camembert", "longformer", "data2vec-text", "xmod",
+                    "roberta-prelayernorm"}
 SEQUENCE_KEYS = ("input_ids", "token_type_ids")  # per token; every other feature is one value per sequence
 
 
@@ -75,8 +77,12 @@ def position_start(cfg) -> int:
     from transformers import AutoConfig
 
     # flag_checks.loading_kwargs' three flags, read here: flag_checks imports this module
-    config = AutoConfig.from_pretrained(cfg.model_name_or_path, revision=cfg.revision, cache_dir=cfg.cache_dir,
-                                        trust_remote_code=cfg.trust_remote_code)
+    return first_position(AutoConfig.from_pretrained(cfg.model_name_or_path, revision=cfg.revision,
+                                                     cache_dir=cfg.cache_dir, trust_remote_code=cfg.trust_remote_code))
+
+
+def first_position(config) -> int:
+    """The position id a model gives a sequence's first token: pad_token_id + 1 for OFFSET_POSITIONS, else 0."""
     return (config.pad_token_id or 0) + 1 if config.model_type in OFFSET_POSITIONS else 0
 
 

@@ -59,17 +59,13 @@ def batches(config, arch: str, start: int):
     return padded, packed, torch.tensor([f["labels"] for f in features])
 
 
-def start_of(config) -> int:
-    return (config.pad_token_id or 0) + 1 if config.model_type in padding_free.OFFSET_POSITIONS else 0
-
-
 ON = types.SimpleNamespace(padding_free=True, attn_implementation=None)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_packed_logits_and_gradients_equal_the_padded_model(arch):
     model, config = tiny(arch)
-    padded, packed, labels = batches(config, arch, start_of(config))
+    padded, packed, labels = batches(config, arch, padding_free.first_position(config))
     assert packed.pop("labels").tolist() == labels.tolist() and packed.pop("row").tolist() == [0, 1, 2, 3]
     reference = {}
     for mode in ("eval", "train"):  # no dropout: train mode computes the same numbers
@@ -99,7 +95,7 @@ def test_packed_logits_and_gradients_equal_the_padded_model(arch):
 def test_the_logits_test_catches_zero_based_positions_and_sequences_that_see_each_other(monkeypatch):
     model, config = tiny("roberta")
     model.eval()
-    padded, packed, _ = batches(config, "roberta", start_of(config))
+    padded, packed, _ = batches(config, "roberta", padding_free.first_position(config))
     zero_based = batches(config, "roberta", 0)[1]
     for b in (packed, zero_based):
         b.pop("labels"), b.pop("row")
@@ -264,7 +260,7 @@ def test_compiled_model_keeps_one_graph_over_new_lengths_and_counts(monkeypatch)
     for count in (4, 3, 5, 4):  # other sequence counts, lengths and longest lengths each call
         lengths = torch.randint(2, 30, (count,), generator=gen).tolist()
         features = [{"input_ids": torch.randint(3, 100, (n,), generator=gen).tolist()} for n in lengths]
-        rows.append(padding_free.PackingCollator(start_of(config), "sample_ids")(features))
+        rows.append(padding_free.PackingCollator(padding_free.first_position(config), "sample_ids")(features))
     with torch.no_grad():
         eager = [model(**row).logits for row in rows]
     torch._dynamo.reset()
@@ -283,7 +279,7 @@ def test_lora_adapters_on_the_packed_model_give_the_padded_logits():
     from peft import LoraConfig, get_peft_model
 
     model, config = tiny("roberta")
-    padded, packed, _ = batches(config, "roberta", start_of(config))
+    padded, packed, _ = batches(config, "roberta", padding_free.first_position(config))
     packed.pop("labels"), packed.pop("row")
     padding_free.apply(ON, model)
     wrapped = get_peft_model(model, LoraConfig(r=4, target_modules=["query", "value"], task_type="SEQ_CLS")).eval()
