@@ -9,11 +9,13 @@ sequence to itself:
   and the boundaries transformers' attention interface (5.23) reads: `cu_seq_lens_q/k` (int32, n + 1 offsets) and
   `max_length_q/k` (the longest sequence). No attention mask: the boundaries are the mask.
 - model side (`apply`): attention through `padding_free_sdpa`, registered in transformers' AttentionInterface: the
-  packed queries, keys and values are re-padded per sequence to the longest (n x L, as the padded model's attention)
-  and go through torch's scaled_dot_product_attention with a key mask, then back to the R positions. On CUDA with
-  flash-attn installed, `--attn_implementation flash_attention_2` takes the boundaries directly (varlen kernels).
-  One block-diagonal mask over the packed row would also be exact, but costs R x R per head: about twice the padded
-  attention on the default data, so it is not used.
+  packed queries, keys and values are re-padded per length group (the sequences sorted by length, split where one
+  more SDPA call costs less than the padding it saves: `length_groups`) and go through torch's
+  scaled_dot_product_attention with a key mask, then back to the R positions. Attention then costs about the sum of
+  the squared lengths, not n x L^2; under torch.compile a micro-batch is one group (n x L^2, one graph for every
+  length). On CUDA with flash-attn installed, `--attn_implementation flash_attention_2` takes the boundaries
+  directly (varlen kernels). One block-diagonal mask over the packed row would also be exact, but costs R x R per
+  head: about twice the padded attention on the default data, so it is not used.
   The sequence output is re-padded to (n, L, hidden) where the encoder hands it to the pooler or head (a forward hook
   on that module, which gets the boundaries with its call): each head pools its own sequence's first token, as in
   the padded model.

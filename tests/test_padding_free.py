@@ -2,8 +2,9 @@
 
 In-process: every accepted architecture's packed logits (and gradients) against the padded model's, and proof that
 the comparison catches the two bugs users report (RoBERTa's positions counted from 0, sequences that see each
-other). Launched (7 runs of the dropout-free tiny model): dynamic padding on DDP as the reference; padding-free on
-one process, DDP, FSDP2, ZeRO-2 and ZeRO-3 with accumulation and a partial last window; a mid-epoch resume.
+other). Launched (8 runs of the dropout-free tiny model): dynamic padding on DDP as the reference; padding-free on
+one process, DDP, FSDP2, ZeRO-2, ZeRO-3 and ZeRO-3 with CPU offload (DeepSpeed's CPU Adam, in AdamW mode) with
+accumulation and a partial last window; a mid-epoch resume.
 """
 from __future__ import annotations
 
@@ -231,7 +232,7 @@ def test_ddp_equals_dynamic_padding_and_resumes_exactly(runs, tmp_path):
     assert run_config["config"]["padding_free"] is True
 
 
-@pytest.mark.parametrize("config", [None, "fsdp.yaml", "zero2.yaml", "zero3.yaml"])
+@pytest.mark.parametrize("config", [None, "fsdp.yaml", "zero2.yaml", "zero3.yaml", "zero3_offload.yaml"])
 def test_every_strategy_trains_the_dynamic_padding_losses(runs, tmp_path, config):
     root, flags = runs
     launch = fp32_launch_args(config, tmp_path) if config else []
