@@ -169,12 +169,14 @@ def length_groups(lengths: list) -> list:
 
 class _Plan:
     """Where each packed token goes in the grids of its micro-batch's length groups: `slot` (R,) into the groups'
-    grids laid end to end; `groups`: (first row, sequences, longest, lengths (sequences,)) each."""
+    grids laid end to end (`rows` in all); `groups`: (first row, sequences, longest, which slots hold a token
+    (sequences, longest)) each, made once for every layer."""
 
     def __init__(self, bounds: torch.Tensor, longest, total: int):
         if torch.compiler.is_compiling():  # one group of static structure: lengths change every step, graphs do not
-            self.slot, _ = _slots(bounds, longest, total)
-            self.groups = [(0, bounds.shape[0] - 1, longest, (bounds[1:] - bounds[:-1]).long())]
+            self.slot, real = _slots(bounds, longest, total)
+            n = bounds.shape[0] - 1
+            self.groups, self.rows = [(0, n, longest, real)], n * longest
             return
         lengths = (bounds[1:] - bounds[:-1]).tolist()  # eager: the lengths on the host (one sync per forward)
         base, self.groups, row = [0] * len(lengths), [], 0
@@ -182,17 +184,14 @@ class _Plan:
             top = lengths[members[0]]
             for rank, i in enumerate(members):
                 base[i] = row + rank * top
-            self.groups.append((row, len(members), top,
-                                torch.tensor([lengths[i] for i in members], device=bounds.device)))
+            own = torch.tensor([lengths[i] for i in members], device=bounds.device)
+            self.groups.append((row, len(members), top, torch.arange(top, device=bounds.device) < own[:, None]))
             row += len(members) * top
+        self.rows = row
         sequence = torch.repeat_interleave(torch.arange(len(lengths), device=bounds.device),
                                            (bounds[1:] - bounds[:-1]).long(), output_size=total)
         self.slot = (torch.tensor(base, device=bounds.device)[sequence] + torch.arange(total, device=bounds.device)
                      - bounds[:-1].long()[sequence])
-
-    def grid_rows(self) -> int:
-        first, n, longest, _ = self.groups[-1]
-        return first + n * longest
 
 
 _LAST_PLAN: list = [None, None]  # (boundaries, plan) of the forward pass running now: every layer reuses it
@@ -220,21 +219,20 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
     plan = _plan(cu_seq_lens_q, max_length_q, query.shape[2])
-    rows = plan.grid_rows()
 
     def grid(x):  # (1, heads, R, d) -> (rows, heads, d): every group's sequences re-padded, zeros where no token
         x = x[0].transpose(0, 1)
-        return x.new_zeros(rows, *x.shape[1:]).index_put((plan.slot,), x)
+        return x.new_zeros(plan.rows, *x.shape[1:]).index_put((plan.slot,), x)
 
     q, k, v = grid(query), grid(key), grid(value)
     outs = []
-    for first, n, longest, lengths in plan.groups:
+    for first, n, longest, real in plan.groups:
         def group(x):  # (n, heads, longest, d)
             return x[first:first + n * longest].view(n, longest, *x.shape[1:]).transpose(1, 2)
 
-        offsets = torch.arange(longest, device=query.device)
-        allowed = (offsets < lengths[:, None])[:, None, None, :]  # keys of the query's own sequence
+        allowed = real[:, None, None, :]  # keys of the query's own sequence
         if sliding_window is not None:  # ModernBERT's local layers (5.23 passes half the window + 1)
+            offsets = torch.arange(longest, device=query.device)
             allowed = allowed & ((offsets[:, None] - offsets[None, :]).abs() < sliding_window)
         out = F.scaled_dot_product_attention(group(q), group(k), group(v), attn_mask=allowed, dropout_p=dropout,
                                              scale=scaling)
