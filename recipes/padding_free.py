@@ -13,9 +13,11 @@ sequence to itself:
   more SDPA call costs less than the padding it saves: `length_groups`) and go through torch's
   scaled_dot_product_attention with a key mask, then back to the R positions. Attention then costs about the sum of
   the squared lengths, not n x L^2; under torch.compile a micro-batch is one group (n x L^2, one graph for every
-  length). On CUDA with flash-attn installed, `--attn_implementation flash_attention_2` takes the boundaries
-  directly (varlen kernels). One block-diagonal mask over the packed row would also be exact, but costs R x R per
-  head: about twice the padded attention on the default data, so it is not used.
+  length). On CUDA in fp16/bf16 without attention dropout (eval, or a model whose attention dropout is 0), torch's
+  varlen flash kernel takes the packed row and its boundaries as they are. On CUDA with flash-attn installed,
+  `--attn_implementation flash_attention_2` takes the boundaries directly (its varlen kernels, with dropout). One
+  block-diagonal mask over the packed row would also be exact, but costs R x R per head: about twice the padded
+  attention on the default data, so it is not used.
   The sequence output is re-padded to (n, L, hidden) where the encoder hands it to the pooler or head (a forward hook
   on that module, which gets the boundaries with its call): each head pools its own sequence's first token, as in
   the padded model.
@@ -29,6 +31,7 @@ accepted; any other is refused at start-up in one line.
 """
 from __future__ import annotations
 
+import inspect
 from itertools import accumulate
 
 import torch
@@ -194,6 +197,23 @@ class _Plan:
                      - bounds[:-1].long()[sequence])
 
 
+def _varlen_kernel():
+    """torch's own varlen flash attention (torch.nn.attention.varlen.varlen_attn, CUDA, fp16/bf16, no dropout
+    argument; in torch 2.13, not in every earlier torch), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    # torch 2.9's first version took no scale (and had is_causal): not used there
+    return varlen_attn if "scale" in inspect.signature(varlen_attn).parameters else None
+
+
+_VARLEN = _varlen_kernel()  # used for a packed row on CUDA in fp16/bf16 without attention dropout
+
+
+def _takes_varlen(query, dropout: float, sliding_window) -> bool:
+    return (_VARLEN is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0
+            and sliding_window is None)
 _LAST_PLAN: list = [None, None]  # (boundaries, plan) of the forward pass running now: every layer reuses it
 
 
@@ -218,6 +238,10 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
+    if _takes_varlen(query, dropout, sliding_window):  # the packed row as it is: no re-pad, no host sync
+        out = _VARLEN(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_seq_lens_q,
+                      cu_seq_lens_q, max_length_q, max_length_q, scale=scaling)
+        return out.unsqueeze(0), None  # (1, R, heads, d)
     plan = _plan(cu_seq_lens_q, max_length_q, query.shape[2])
 
     def grid(x):  # (1, heads, R, d) -> (rows, heads, d): every group's sequences re-padded, zeros where no token

@@ -19,8 +19,9 @@ from helpers import fp32_launch_args, losses, rank_records, read_jsonl, run_reci
 from recipes import RecipeError, padding_free
 
 # Measured here (torch 2.13 CPU, float32): the packed and padded logits agree to 0.0 for every architecture below
-# in one length group (the same matmuls on the same rows), within 1.9e-9 with a group per length; the bound allows float32 reordering on other machines. A 0-based RoBERTa
-# moves the logits by about 1e-2, one row attending to all the others by about 7e-5.
+# in one length group (the same matmuls on the same rows), within 1.9e-9 with a group per length, within 7.5e-8 on the
+# varlen path's layout (per-sequence SDPA standing in for CUDA's kernel); the bound allows float32 reordering on
+# other machines. A 0-based RoBERTa moves the logits by about 1e-2, one row attending to all the others by about 7e-5.
 LOGITS_ATOL = 1e-5
 ARCHS = ["bert", "roberta", "xlm-roberta", "camembert", "distilbert", "electra", "albert", "modernbert"]
 PAIRS = {"bert", "electra", "albert"}  # token type vocabularies of 2: the second segment gets type 1
@@ -63,12 +64,28 @@ def batches(config, arch: str, start: int):
 ON = types.SimpleNamespace(padding_free=True, attn_implementation=None)
 
 
-@pytest.mark.parametrize("groups", ["one", "per_length"])
+def varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale=None):
+    """torch's varlen_attn (CUDA only) as per-sequence SDPA on CPU, with its argument contract checked: (R, heads, d)
+    in and out, int32 boundaries, host ints for the longest."""
+    assert q.dim() == 3 and q.shape == k.shape == v.shape and cu_q.dtype == torch.int32 and cu_q is cu_k
+    assert isinstance(max_q, int) and max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max())
+    bounds = cu_q.tolist()
+    return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        *(x[a:b].transpose(0, 1) for x in (q, k, v)), scale=scale).transpose(0, 1)
+        for a, b in zip(bounds, bounds[1:])])
+
+
+@pytest.mark.parametrize("groups", ["one", "per_length", "varlen"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_packed_logits_and_gradients_equal_the_padded_model(arch, groups, monkeypatch):
-    # "one": the default cost keeps these short sequences in one group; "per_length": every length its own group
-    monkeypatch.setattr(padding_free, "GROUP_OVERHEAD", padding_free.GROUP_OVERHEAD if groups == "one" else 0)
-    assert len(padding_free.length_groups(LENGTHS)) == (1 if groups == "one" else len(LENGTHS))
+    # "one": the default cost keeps these short sequences in one group; "per_length": every length its own group;
+    # "varlen": the CUDA path's layout, its kernel stood in for (ModernBERT's sliding layers stay on the groups)
+    monkeypatch.setattr(padding_free, "GROUP_OVERHEAD", 0 if groups == "per_length" else padding_free.GROUP_OVERHEAD)
+    assert len(padding_free.length_groups(LENGTHS)) == (len(LENGTHS) if groups == "per_length" else 1)
+    calls = []
+    if groups == "varlen":
+        monkeypatch.setattr(padding_free, "_VARLEN", lambda *a, **k: calls.append(1) or varlen_stand_in(*a, **k))
+        monkeypatch.setattr(padding_free, "_takes_varlen", lambda query, dropout, window: window is None)
     model, config = tiny(arch)
     padded, packed, labels = batches(config, arch, padding_free.first_position(config))
     assert packed.pop("labels").tolist() == labels.tolist() and packed.pop("row").tolist() == [0, 1, 2, 3]
@@ -93,6 +110,8 @@ def test_packed_logits_and_gradients_equal_the_padded_model(arch, groups, monkey
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         assert grads.keys() == ref_grads.keys()
         assert max((grads[n] - ref_grads[n]).abs().max().item() for n in grads) <= LOGITS_ATOL
+    # varlen: every layer's attention of both packed passes (ModernBERT: its global layer only)
+    assert len(calls) == (0 if groups != "varlen" else 2 * (1 if arch == "modernbert" else config.num_hidden_layers))
     model.eval()  # a padded batch still runs as before through the registered attention (sdpa without boundaries)
     assert (model(**padded).logits - reference["eval"][0]).abs().max().item() <= LOGITS_ATOL
 

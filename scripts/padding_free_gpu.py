@@ -1,0 +1,157 @@
+"""Padding-free attention on a CUDA GPU, in-process: is it exact, and what does it save, per attention path.
+
+    .venv-gpu/bin/python scripts/padding_free_gpu.py    # after `make gpu-check` has made .venv-gpu; about 1 minute
+
+On the roberta-base shape (random init, seed 42, dropout 0) and the default data's real lengths (the first
+--batches micro-batches of each --batch_sizes, the recipe's own loaders and collators), for three ways to run a
+micro-batch:
+- padded: dynamic padding, `sdpa` (what the recipe runs without --padding_free);
+- varlen: --padding_free with torch's varlen flash kernel (recipes/padding_free.py `_VARLEN`: CUDA, bf16, no
+  attention dropout);
+- grouped: --padding_free with the kernel switched off, so that attention runs per length group through SDPA (what
+  the CPU and a model with attention dropout run).
+1. Exactness, eval mode: max |logit difference| of each padding-free path from the padded model's, in bf16 autocast
+   and in fp32 (fp32 never takes varlen: flash kernels are fp16/bf16 only).
+2. Speed, train mode, bf16 autocast: forward + backward of the same micro-batches, 3 interleaved rounds after a
+   warm-up, the best round of each; the speed-up over padded beside the bound P / R (padded positions / real tokens).
+Results: results/gpu_check_padding_free_<date>_<gpu slug>.{json,md} (beside make gpu-check's own).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import re
+import time
+import types
+from pathlib import Path
+
+import torch
+
+from recipes import cls, data
+from recipes import padding_free as pf
+from recipes.flag_checks import load_tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+AUTOCAST = "cuda"  # the device type of the bf16 autocast
+
+
+def model_of(shape: Path):
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(shape, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(42)
+    model = AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa")
+    pf.apply(types.SimpleNamespace(padding_free=True, attn_implementation=None), model)
+    return model.cuda()
+
+
+def micro_batches(cfg, train, evals, tokenizer, padding_free: bool, count: int) -> list:
+    cfg.padding_free = padding_free
+    loader = data.build_loaders(cfg, train, evals, tokenizer, 1).train
+    out = []
+    for batch in loader:
+        out.append({k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()})
+        if len(out) == count:
+            return out
+    return out
+
+
+def forward(model, batch, path: str):
+    pf._VARLEN = KERNEL if path == "varlen" else None
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    return model(**inputs).logits.float()
+
+
+def exactness(model, padded, packed) -> dict:
+    model.eval()
+    worst = {}
+    with torch.no_grad():
+        for precision in ("bf16", "fp32"):
+            for path in ("varlen", "grouped"):
+                if precision == "fp32" and path == "varlen":
+                    continue
+                diff = 0.0
+                for a, b in zip(padded, packed):
+                    with torch.autocast(AUTOCAST, torch.bfloat16, enabled=precision == "bf16"):
+                        diff = max(diff, (forward(model, a, "padded") - forward(model, b, path)).abs().max().item())
+                worst[f"{path}_{precision}"] = diff
+    return worst
+
+
+def timed(model, batches, path: str) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for batch in batches:
+        with torch.autocast(AUTOCAST, torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(forward(model, batch, path), batch["labels"])
+        loss.backward()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def speed(model, padded, packed, rounds: int = 3) -> dict:
+    model.train()
+    sets = {"padded": padded, "varlen": packed, "grouped": packed}
+    for path, batches in sets.items():
+        timed(model, batches[:4], path)  # warm-up: kernels chosen, allocator grown
+    seconds = {path: [] for path in sets}
+    for r in range(rounds):
+        for path in (list(sets) if r % 2 == 0 else list(sets)[::-1]):
+            seconds[path].append(timed(model, sets[path], path))
+    real = sum(int(b["attention_mask"].sum()) for b in padded)
+    positions = sum(b["attention_mask"].numel() for b in padded)
+    best = {path: min(v) for path, v in seconds.items()}
+    return {"seconds": seconds, "real_tokens": real, "padded_positions": positions, "bound": positions / real,
+            "speedup": {path: best["padded"] / best[path] for path in ("varlen", "grouped")}}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default=str(REPO / "artifacts" / "roberta-base-shape"))
+    parser.add_argument("--batch_sizes", default="16,64")
+    parser.add_argument("--batches", type=int, default=20)
+    parser.add_argument("--results", default=str(REPO / "results"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or KERNEL is None:
+        print(f"padding_free_gpu: needs a CUDA GPU and torch's varlen_attn (torch {torch.__version__}): nothing run")
+        return 0
+    model = model_of(Path(args.shape))
+    rows = []
+    for size in [int(s) for s in args.batch_sizes.split(",")]:
+        cfg = cls.parse_config(["--model_name_or_path", args.shape, "--per_device_train_batch_size", str(size),
+                                "--max_train_samples", str(size * args.batches), "--max_length", "128"])
+        tokenizer = load_tokenizer(cfg)
+        train, evals, _ = data.prepare_datasets(cfg, tokenizer)
+        padded = micro_batches(cfg, train, evals, tokenizer, False, args.batches)
+        packed = micro_batches(cfg, train, evals, tokenizer, True, args.batches)
+        assert [b["labels"].tolist() for b in padded] == [b["labels"].tolist() for b in packed]
+        row = {"batch": size, "batches": len(padded), "max_abs_logit_diff": exactness(model, padded, packed),
+               **speed(model, padded, packed)}
+        rows.append(row)
+        print(json.dumps(row))
+    pf._VARLEN = KERNEL
+    name = torch.cuda.get_device_name()
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    stem = Path(args.results) / f"gpu_check_padding_free_{dt.date.today()}_{slug}"
+    result = {"gpu": name, "torch": torch.__version__, "shape": args.shape, "rows": rows}
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    lines = [f"# Padding-free attention on {name} ({dt.date.today()}, torch {torch.__version__})", "",
+             "scripts/padding_free_gpu.py: roberta-base shape, random init (seed 42), dropout 0, the default data's "
+             "first micro-batches; speed: forward + backward in bf16 autocast, best of 3 interleaved rounds.", "",
+             "| batch | micro-batches | bound P/R | varlen speed-up | grouped speed-up | varlen / bound | "
+             "max \\|Δlogit\\| varlen bf16 | grouped bf16 | grouped fp32 |", "|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for row in rows:
+        d, s = row["max_abs_logit_diff"], row["speedup"]
+        lines.append(f"| {row['batch']} | {row['batches']} | {row['bound']:.3f} | {s['varlen']:.3f}x | "
+                     f"{s['grouped']:.3f}x | {s['varlen'] / row['bound']:.3f} | {d['varlen_bf16']:.2e} | "
+                     f"{d['grouped_bf16']:.2e} | {d['grouped_fp32']:.2e} |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(stem.with_suffix(".md").read_text())
+    return 0
+
+
+KERNEL = pf._VARLEN  # the kernel as the module found it; forward() switches it per path
+
+if __name__ == "__main__":
+    raise SystemExit(main())
