@@ -108,7 +108,7 @@ def evaluate_all(cfg: Config, model, loaders: data.Loaders, accelerator: Acceler
 
 def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, loaders: data.Loaders, metrics,
           start: checkpoint.ResumePoint, probe: Probe, run: longrun.LongRun, tokenizer,
-          terms: contract.Contract) -> dict:
+          terms: contract.Contract, loss_fn: problem.TrainingLoss) -> dict:
     out, world, accum = Path(cfg.output_dir), accelerator.num_processes, cfg.gradient_accumulation_steps
     plan = loaders.plan
     model.train()  # from_pretrained returns a model in eval mode
@@ -147,7 +147,7 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
         # iteration, a counter that starts at 0 in a resumed run: set the loader's epoch too, not only the sampler's.
         loaders.train.set_epoch(epoch)
         loaders.sampler.set_epoch(epoch)
-        windows, batches = plan.windows(epoch), loaders.train
+        windows, weight_sums, batches = plan.windows(epoch), loaders.window_weights(epoch), loaders.train
         skip = loaders.consumed_batches(epoch)  # resumed mid-epoch: the micro-batches the checkpoint trained on
         if skip:
             batches = data.keep_loader_options(accelerator.skip_first_batches(loaders.train, skip), loaders.train)
@@ -156,11 +156,12 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
             probe.batch(batch)
             profiler.batch(step)  # --profile_steps: opens a profiled step at its first micro-batch
             n_window = windows[micro // accum]
+            norm = weight_sums[micro // accum] if weight_sums else n_window  # --class_weights: the window's weights
             labels = batch.pop("labels")
             with accelerator.accumulate(model):
                 logits = model(**batch).logits
-                loss_sum = problem.loss_sum(cfg.problem_type, logits, labels)
-                accelerator.backward(loss_sum * loss_scale(accum, world, n_window))
+                loss_sum = loss_fn(logits, labels)
+                accelerator.backward(loss_sum * loss_scale(accum, world, norm))
                 log.add(loss_sum, batch)
                 if accelerator.sync_gradients:
                     grad_norm = strategy.clip_gradients(accelerator, model, cfg.max_grad_norm)
@@ -177,7 +178,8 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
             step += 1  # a skipped step still consumed its window of samples
             profiler.step(step)  # closes it before the logging, evaluation and saving that follow
             log.end_step({"step": step, "epoch": epoch, "lr": lr, "samples": n_window, "skipped_steps": skipped,
-                          "elapsed": time.perf_counter() - t0, **compiled.counts()}, grad_norm, run.stop_vote())
+                          "elapsed": time.perf_counter() - t0, **compiled.counts(),
+                          **({"weight_sum": norm} if weight_sums else {})}, grad_norm, run.stop_vote())
             progress.update(1)
             end_of_epoch = micro + 1 == len(loaders.train)
             eval_due = (cfg.eval_steps and step % cfg.eval_steps == 0) or end_of_epoch or step == plan.total_steps
@@ -228,6 +230,7 @@ def main(cfg: Config) -> dict:
     if failure:
         raise failure
     check_scores(cfg.problem_type, tasks.extra_scores(cfg), len(names))  # --metric_name fits the problem
+    loss_fn = problem.TrainingLoss.of(cfg, names, train_ds)  # --class_weights, --label_smoothing_factor
     terms = contract.Contract.of(cfg, train_ds, accelerator.num_processes)  # flags, model, data: what is trained
     start = terms.settle(start, cfg.force_resume)  # a resume trains what its checkpoint did, or says what changes
     run = longrun.LongRun(cfg, start, out)  # checks --metric_for_best_model
@@ -237,6 +240,7 @@ def main(cfg: Config) -> dict:
     fitted = micro_batch.fit(cfg, accelerator, model, start, probe)  # --auto_micro_batch: sets micro x accumulation
     loaders = data.build_loaders(cfg, train_ds, eval_ds, tokenizer, accelerator.num_processes, resume=start,
                                  device_type=accelerator.device.type)
+    loaders.sample_weights = loss_fn.sample_weights(train_ds)
     total_steps = loaders.plan.total_steps
     finished = longrun.finished_before(start, total_steps, out)  # a relaunch of a completed run: nothing to do
     if finished is not None:
@@ -283,7 +287,7 @@ def main(cfg: Config) -> dict:
     probe.watch(model, accelerator)
     if cfg.do_train:
         result = train(cfg, accelerator, model, optimizer, scheduler, loaders, metrics, start, probe, run, tokenizer,
-                       terms)
+                       terms, loss_fn)
     else:  # --do_train false: the model as loaded, evaluated once (without --do_eval false) and predicted
         result = {"step": 0, "epoch": 0, **(evaluate_all(cfg, model, loaders, accelerator, metrics) if cfg.do_eval
                                             else {})}

@@ -37,6 +37,13 @@ class Config:
     label_column: str = field(default="label", metadata={"help": "column holding the label (int, string, float, list)"})
     problem_type: Optional[str] = field(default=None, metadata={
         "help": "single_label|regression|multi_label (default: inferred)"})
+    class_weights: Optional[str] = field(default=None, metadata={
+        "help": "weigh the training loss per class: 'balanced' (n / (classes x count), scikit-learn's; multi-label: "
+                "negatives / positives as BCE's pos_weight) or one number per label in label order; every step is "
+                "the exact weighted mean of its window"})
+    label_smoothing_factor: float = field(default=0.0, metadata={
+        "help": "single-label: smooth the training targets by this much (torch's label_smoothing, the Trainer's "
+                "name); evaluation keeps the plain loss"})
     multi_label_threshold: float = field(default=0.5, metadata={
         "help": "multi-label: a label is predicted at p >= this"})
     validation_split: float = field(default=0.1, metadata={"help": "held-out fraction when there is no validation set"})

@@ -58,6 +58,8 @@ APPLIED = {
     "num_train_epochs": "the run's length and the schedule rebuilt for it",
     "max_train_steps": "the run's length and the schedule rebuilt for it",
     "max_grad_norm": "clipping of every later step",
+    "class_weights": "the loss of every later step: weighted, and divided by the window's weight sum",
+    "label_smoothing_factor": "the loss of every later step",
     "group_by_length": "the order of the later epochs (the resumed epoch keeps the checkpoint's)",
     "early_stopping_patience": "the patience of later evaluations",
     "load_best_model_at_end": "what final/ holds",

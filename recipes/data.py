@@ -516,6 +516,19 @@ class Loaders:
     skip_epoch: Optional[int] = None  # the resumed epoch whose first micro-batches the loop skips ...
     skip_batches: int = 0  # ... and how many, per rank (accelerator.skip_first_batches)
     extra_eval: list = field(default_factory=list)  # (prefix, loader) of further validation sets (prepare_eval_sets)
+    sample_weights: Optional[list] = None  # --class_weights (single-label): each training sample's class weight
+
+    def window_weights(self, epoch: int) -> Optional[list]:
+        """The weight sum of each window of `epoch` (its samples on all ranks, in the sampler's order of that epoch,
+        length grouping and resume included), in the windows of plan.windows(epoch); None without class weights.
+        Known before the window's first backward: the loss divides by it (problem.TrainingLoss)."""
+        if self.sample_weights is None:
+            return None
+        order, start, sums = self.sampler.order(), self.sampler.start, []
+        for n in self.plan.windows(epoch):
+            sums.append(sum(self.sample_weights[i] for i in order[start:start + n]))
+            start += n
+        return sums
 
     def position(self, epoch: int, micro: int, end_of_epoch: bool) -> dict:
         """Where a checkpoint after micro-batch `micro` of `epoch` stands in the data (trainer_state.json)."""

@@ -55,6 +55,8 @@ def flag_problems(cfg) -> list[str]:
         problems.append(f"unknown --problem_type '{cfg.problem_type}' (one of {', '.join(PROBLEM_TYPES)})")
     if cfg.truncation not in TRUNCATIONS:
         problems.append(f"unknown --truncation '{cfg.truncation}' (one of {', '.join(TRUNCATIONS)})")
+    if not 0 <= cfg.label_smoothing_factor < 1:
+        problems.append(f"--label_smoothing_factor {cfg.label_smoothing_factor} must be in [0, 1)")
     if not 0 < cfg.multi_label_threshold < 1:
         problems.append(f"--multi_label_threshold {cfg.multi_label_threshold} must be between 0 and 1")
     if cfg.auto_micro_batch and (cfg.data_parallel or not cfg.do_train):

@@ -150,6 +150,91 @@ def loss_sum(problem_type: str, logits: torch.Tensor, labels: torch.Tensor) -> t
     return F.cross_entropy(logits, labels, reduction="sum")
 
 
+class TrainingLoss:
+    """The training loss of a micro-batch, as a SUM (see loss_sum), with --class_weights and --label_smoothing_factor.
+
+    Single-label with class weights w: the sum of w[y_i] x loss_i, which the loop divides by the window's weight sum
+    (the sum of w[y_i] over the window's samples on all ranks; `data.Loaders.window_weights`) instead of its sample
+    count: the step's gradient is then torch's weighted mean (`F.cross_entropy(weight=w)`, reduction "mean") over
+    the whole window, whatever the accumulation, world size or partial last window. Derivation, with cls.loss_scale's
+    s = accum x world / W: each rank's accumulated gradient is s / accum x the sum of its micro-batches' gradients,
+    the reduction averages over the world, so g = s / (accum x world) x sum over the window of grad(w[y_i] loss_i)
+    = (1 / W) x sum of grad(w[y_i] loss_i), the weighted mean, given W before the window's first backward.
+    Label smoothing (single-label only): torch's `label_smoothing`, the Trainer's label_smoothing_factor; with class
+    weights as torch combines them (the smoothed term weighted per class, the sum still divided by W).
+    Multi-label with class weights: they are BCE's pos_weight per label; torch's mean over the label entries does not
+    divide by them, so the normaliser stays the sample count.
+    Evaluation keeps the plain loss (`loss_sum`): comparable between runs whatever their weights.
+    """
+
+    def __init__(self, problem_type: str, weights: torch.Tensor | None = None, smoothing: float = 0.0):
+        self.problem_type, self.weights, self.smoothing = problem_type, weights, smoothing
+
+    @classmethod
+    def of(cls, cfg, names: list[str], train_ds) -> "TrainingLoss":
+        """From the flags and the training labels; RecipeError in one line for a combination it cannot train."""
+        kind = cfg.problem_type
+        if cfg.label_smoothing_factor and kind != "single_label":
+            raise RecipeError(f"--label_smoothing_factor applies to single-label classification, not {kind}; drop it")
+        if cfg.class_weights is None:
+            return cls(kind, None, cfg.label_smoothing_factor)
+        if kind == "regression":
+            raise RecipeError("--class_weights: a regression has no classes; drop it")
+        if cfg.class_weights == "balanced":
+            values = balanced_weights(kind, names, train_ds["labels"][:])
+        else:
+            values = explicit_weights(cfg.class_weights, names)
+        return cls(kind, torch.tensor(values, dtype=torch.float32), cfg.label_smoothing_factor)
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.weights is None and not self.smoothing:
+            return loss_sum(self.problem_type, logits, labels)
+        logits = logits.float()
+        weights = None if self.weights is None else self.weights.to(logits.device)
+        if self.problem_type == "multi_label":
+            return F.binary_cross_entropy_with_logits(logits, labels.float(), pos_weight=weights,
+                                                      reduction="sum") / logits.shape[-1]
+        return F.cross_entropy(logits, labels, weight=weights, reduction="sum", label_smoothing=self.smoothing)
+
+    def sample_weights(self, train_ds) -> list | None:
+        """Each training sample's weight in the window normaliser (single-label class weights), else None: the
+        normaliser is the sample count."""
+        if self.weights is None or self.problem_type != "single_label":
+            return None
+        table = self.weights.tolist()
+        return [table[y] for y in train_ds["labels"][:]]
+
+
+def balanced_weights(kind: str, names: list[str], labels: list) -> list[float]:
+    """scikit-learn's compute_class_weight("balanced"): n / (classes x count of each class); multi-label: pos_weight
+    = negatives / positives per label."""
+    n = len(labels)
+    if kind == "multi_label":
+        positives = torch.tensor(labels, dtype=torch.float64).sum(dim=0).tolist()
+        empty = [name for name, p in zip(names, positives) if p == 0]
+        if empty:
+            raise RecipeError(f"--class_weights balanced: label '{empty[0]}' is positive in no training example")
+        return [(n - p) / p for p in positives]
+    counts = torch.bincount(torch.tensor(labels), minlength=len(names)).tolist()
+    empty = [name for name, c in zip(names, counts) if c == 0]
+    if empty:
+        raise RecipeError(f"--class_weights balanced: class '{empty[0]}' has no training example")
+    return [n / (len(names) * c) for c in counts]
+
+
+def explicit_weights(text: str, names: list[str]) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise RecipeError(f"--class_weights '{text}': 'balanced' or one number per label, comma-separated") from None
+    if len(values) != len(names):
+        raise RecipeError(f"--class_weights has {len(values)} values for {len(names)} labels ({', '.join(names)}), "
+                          "in that order")
+    if not all(math.isfinite(v) and v > 0 for v in values):
+        raise RecipeError(f"--class_weights '{text}': every weight must be a positive number")
+    return values
+
+
 def scored(problem_type: str, labels: torch.Tensor) -> torch.Tensor:
     """The rows that have a label (the others are predicted, not scored)."""
     if problem_type == "regression":

@@ -104,8 +104,9 @@ class StepLog:
         self.window += torch.stack([loss_sum.detach().float(), tokens, computed])
 
     def end_step(self, info: dict, grad_norm: torch.Tensor, stop_vote: float = 0.0) -> None:
-        """`info` holds step, epoch, lr, samples (of the step on all ranks) and elapsed seconds; `stop_vote` 1.0 when
-        this rank asks every rank to stop (the fill of a device tensor from a number: no sync)."""
+        """`info` holds step, epoch, lr, samples (of the step on all ranks), elapsed seconds and, with class weights,
+        the window's weight_sum; `stop_vote` 1.0 when this rank asks every rank to stop (the fill of a device tensor
+        from a number: no sync)."""
         grad_norm = grad_norm.reshape(1).to(self.window)
         votes = torch.cat([self.window, (~torch.isfinite(grad_norm)).float(), torch.full_like(grad_norm, stop_vote)])
         totals = self.accelerator.reduce(votes, reduction="sum")  # one collective, kept on the device
@@ -120,8 +121,9 @@ class StepLog:
         values = torch.stack([v for _, v in self.pending]).tolist()
         kept, block = [], []
         for (info, _), (loss_total, tokens, padded, bad_grads, votes, grad_norm) in zip(self.pending, values):
-            record = {**info, "loss": loss_total / info["samples"], "tokens": int(tokens), "padded_tokens": int(padded),
-                      "grad_norm": grad_norm}
+            # the window's mean loss (--class_weights: its weighted mean, over the window's weight sum)
+            record = {**info, "loss": loss_total / info.get("weight_sum", info["samples"]), "tokens": int(tokens),
+                      "padded_tokens": int(padded), "grad_norm": grad_norm}
             self.accelerator.log({"train/loss": record["loss"], "train/lr": info["lr"],
                                   "train/grad_norm": grad_norm}, step=info["step"])
             kept.append(record)
