@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from recipes import (RecipeError, activation_checkpointing, adapters, checkpoint, compilation, contract, data,
                      elastic, flag_checks, kernels, launch_checks, longrun, micro_batch, padding_free, predict, problem,
-                     profiling, records, schedule, strategy, tasks, tracking)
+                     profiling, records, report, schedule, strategy, tasks, tracking)
 from recipes.config import Config, parse_config  # the flags, each documented (recipes/config.py)
 from recipes.metrics import check_scores, compute_metrics, load_metrics
 from recipes.probe import Probe
@@ -78,8 +78,9 @@ def loss_scale(accum: int, world: int, n_window: int) -> float:
 
 
 def evaluate(model, eval_dl, accelerator: Accelerator, metrics, problem_type: str = "single_label",
-             threshold: float = 0.5) -> dict:
-    """The metrics of the problem type over the labelled validation rows, each counted once on any world size."""
+             threshold: float = 0.5, outputs: dict | None = None) -> dict:
+    """The metrics of the problem type over the labelled validation rows, each counted once on any world size;
+    `outputs`, when given, receives their gathered logits and labels (the evaluation report's input)."""
     model.eval()
     all_logits, references = [], []
     for batch in eval_dl:
@@ -93,13 +94,16 @@ def evaluate(model, eval_dl, accelerator: Accelerator, metrics, problem_type: st
     keep = problem.scored(problem_type, references)
     predictions = problem.predictions(problem_type, logits[keep], threshold)
     loss = float(problem.loss_sum(problem_type, logits[keep], references[keep])) / max(1, int(keep.sum()))
+    if outputs is not None:
+        outputs.update(logits=logits[keep], references=references[keep])
     model.train()
     return {**compute_metrics(metrics, predictions, references[keep]), "loss": loss, "n_examples": int(keep.sum())}
 
 
-def evaluate_all(cfg: Config, model, loaders: data.Loaders, accelerator: Accelerator, metrics) -> dict:
+def evaluate_all(cfg: Config, model, loaders: data.Loaders, accelerator: Accelerator, metrics,
+                 outputs: dict | None = None) -> dict:
     """The main validation set's scores, then each further set's (MNLI's mismatched) under its prefix."""
-    result = evaluate(model, loaders.eval, accelerator, metrics, cfg.problem_type, cfg.multi_label_threshold)
+    result = evaluate(model, loaders.eval, accelerator, metrics, cfg.problem_type, cfg.multi_label_threshold, outputs)
     for prefix, loader in loaders.extra_eval:
         scores = evaluate(model, loader, accelerator, metrics, cfg.problem_type, cfg.multi_label_threshold)
         result.update({f"{prefix}_{name}": value for name, value in scores.items()})
@@ -108,7 +112,7 @@ def evaluate_all(cfg: Config, model, loaders: data.Loaders, accelerator: Acceler
 
 def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, loaders: data.Loaders, metrics,
           start: checkpoint.ResumePoint, probe: Probe, run: longrun.LongRun, tokenizer,
-          terms: contract.Contract, loss_fn: problem.TrainingLoss) -> dict:
+          terms: contract.Contract, loss_fn: problem.TrainingLoss, kept: report.Kept) -> dict:
     out, world, accum = Path(cfg.output_dir), accelerator.num_processes, cfg.gradient_accumulation_steps
     plan = loaders.plan
     model.train()  # from_pretrained returns a model in eval mode
@@ -120,10 +124,13 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
     overflow = strategy.OverflowCheck(accelerator, optimizer)  # fp16: was the step skipped (loss-scale overflow)?
 
     def evaluate_step(epoch: int) -> dict:  # the evaluation after `step`; a new best is kept as best/
-        result = {"step": step, "epoch": epoch, **evaluate_all(cfg, model, loaders, accelerator, metrics),
+        seen = {"step": step}
+        result = {"step": step, "epoch": epoch, **evaluate_all(cfg, model, loaders, accelerator, metrics, seen),
                   **compiled.counts()}
-        if run.after_eval(result):
+        best = run.after_eval(result)
+        if best:
             checkpoint.save_weights(accelerator, model, tokenizer, out / "best", result)
+        kept.record(seen, best)  # the report's input: the evaluation final/ will hold
         accelerator.log({f"eval/{k}": v for k, v in result.items() if isinstance(v, float)}, step=step)
         if accelerator.is_main_process:
             records.append_jsonl(out / "eval.jsonl", result)
@@ -203,7 +210,10 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
     progress.close()
     profiler.finish()  # a run that stopped early, before the last profiled step
     if last_eval is None:  # resumed from a checkpoint of the last step, or after early stopping: nothing to train
-        last_eval = {"step": step, "epoch": start.epoch, **evaluate_all(cfg, model, loaders, accelerator, metrics)}
+        seen = {"step": step}
+        last_eval = {"step": step, "epoch": start.epoch, **evaluate_all(cfg, model, loaders, accelerator, metrics,
+                                                                         seen)}
+        kept.record(seen, False)
     probe.finish(out, model, optimizer, accelerator.device)
     return last_eval
 
@@ -285,18 +295,25 @@ def main(cfg: Config) -> dict:
     elif cfg.resume_from_checkpoint == "auto":
         accelerator.print(f"--resume_from_checkpoint auto: no checkpoint in {out / 'checkpoints'}, starting fresh")
     probe.watch(model, accelerator)
+    kept = report.Kept()  # the gathered logits and labels of the evaluation that final/ holds
     if cfg.do_train:
         result = train(cfg, accelerator, model, optimizer, scheduler, loaders, metrics, start, probe, run, tokenizer,
-                       terms, loss_fn)
+                       terms, loss_fn, kept)
     else:  # --do_train false: the model as loaded, evaluated once (without --do_eval false) and predicted
-        result = {"step": 0, "epoch": 0, **(evaluate_all(cfg, model, loaders, accelerator, metrics) if cfg.do_eval
-                                            else {})}
+        seen = {"step": 0}
+        result = {"step": 0, "epoch": 0, **(evaluate_all(cfg, model, loaders, accelerator, metrics, seen)
+                                            if cfg.do_eval else {})}
+        kept.record(seen if cfg.do_eval else None, False)
         if cfg.do_eval and accelerator.is_main_process:
             records.append_jsonl(out / "eval.jsonl", result)
     if predict_ds is not None:
         predict.write_predictions(cfg, accelerator, model, predict_ds, tokenizer, names, out / "predictions.jsonl")
+    final = longrun.save_final(accelerator, model, tokenizer, out, result, cfg.load_best_model_at_end) \
+        if cfg.do_train else result
+    if cfg.eval_report and accelerator.is_main_process:  # <output_dir>/eval_report/ (recipes/report.py)
+        report.write(cfg, out, *kept.held(final is not result), names, say=accelerator.print)
     if cfg.do_train:
-        result = longrun.save_final(accelerator, model, tokenizer, out, result, cfg.load_best_model_at_end)
+        result = final
         tracking.finish(cfg, accelerator, out, result)  # final/README.md, and the upload with --push_to_hub
     accelerator.end_training()
     scores = " ".join(f"{k} {v:.4f}" for k, v in result.items() if k in longrun.ACCEPTED[cfg.problem_type])

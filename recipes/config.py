@@ -44,6 +44,9 @@ class Config:
     label_smoothing_factor: float = field(default=0.0, metadata={
         "help": "single-label: smooth the training targets by this much (torch's label_smoothing, the Trainer's "
                 "name); evaluation keeps the plain loss"})
+    eval_report: bool = field(default=True, metadata={
+        "help": "at the end, <output_dir>/eval_report/: per-class scores, confusion matrix, calibration "
+                "(recipes/report.py)"})
     multi_label_threshold: float = field(default=0.5, metadata={
         "help": "multi-label: a label is predicted at p >= this"})
     validation_split: float = field(default=0.1, metadata={"help": "held-out fraction when there is no validation set"})

@@ -18,7 +18,7 @@ from pathlib import Path
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 from accelerate.utils import LoggerType
 
-from recipes import RecipeError, records
+from recipes import RecipeError, records, report
 from recipes.flag_checks import first_line
 from recipes.metrics import AVAILABLE
 
@@ -202,6 +202,7 @@ def model_card(cfg, out: Path, result: dict):
         f"## Evaluation ({split}; final/ holds the weights of the {held} one)", "",
         "| evaluation | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|",
         *(f"| {name} | " + " | ".join(str(e.get(c, "")) for c in columns) + " |" for name, e in evals.items()), "",
+        *report.card_lines(out),  # per-class scores and calibration of the evaluation final/ holds
         "## Training", "",
         *(f"- {k}: {v}" for k, v in hyper.items()),
         *(f"- changed on resume (--force_resume): {c['name']} {c['before']} -> {c['after']} from step {c['step'] + 1}"

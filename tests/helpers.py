@@ -25,7 +25,8 @@ SNIPPETS = REPO / "artifacts" / "rotten_tomatoes"
 # the same matmul blocking, as the reference figures in README were measured).
 TINY_FLAGS = ["--model_name_or_path", str(TINY), "--max_train_samples", "256", "--max_eval_samples", "101",
               "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "16",
-              "--learning_rate", "1e-3", "--ddp_timeout", "120", "--cpu_threads", "1"]
+              "--learning_rate", "1e-3", "--ddp_timeout", "120", "--cpu_threads", "1",
+              "--eval_report", "false"]  # the report's imports and plots cost each launch seconds: tests/test_report.py
 
 # The parity runs: 8 optimizer steps of 2 x 8 samples, every rank's samples and state recorded. DDP with these flags
 # is the one reference that test_strategies (shipped ddp.yaml, parity) and test_tutorials (torchrun, checkpointing)

