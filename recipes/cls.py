@@ -24,9 +24,9 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
-from recipes import (RecipeError, activation_checkpointing, adapters, checkpoint, compilation, contract, data,
-                     elastic, flag_checks, kernels, launch_checks, longrun, micro_batch, padding_free, predict, problem,
-                     profiling, records, report, schedule, strategy, tasks, tracking)
+from recipes import (RecipeError, activation_checkpointing, adapters, calibration, checkpoint, compilation, contract,
+                     data, elastic, flag_checks, kernels, launch_checks, longrun, micro_batch, padding_free, predict,
+                     problem, profiling, records, report, schedule, strategy, tasks, tracking)
 from recipes.config import Config, parse_config  # the flags, each documented (recipes/config.py)
 from recipes.metrics import check_scores, compute_metrics, load_metrics
 from recipes.probe import Probe
@@ -241,6 +241,7 @@ def main(cfg: Config) -> dict:
         raise failure
     check_scores(cfg.problem_type, tasks.extra_scores(cfg), len(names))  # --metric_name fits the problem
     loss_fn = problem.TrainingLoss.of(cfg, names, train_ds)  # --class_weights, --label_smoothing_factor
+    calibration.check(cfg)  # --calibrate: a single-label run that trains and evaluates
     terms = contract.Contract.of(cfg, train_ds, accelerator.num_processes)  # flags, model, data: what is trained
     start = terms.settle(start, cfg.force_resume)  # a resume trains what its checkpoint did, or says what changes
     run = longrun.LongRun(cfg, start, out)  # checks --metric_for_best_model
@@ -310,8 +311,11 @@ def main(cfg: Config) -> dict:
         predict.write_predictions(cfg, accelerator, model, predict_ds, tokenizer, names, out / "predictions.jsonl")
     final = longrun.save_final(accelerator, model, tokenizer, out, result, cfg.load_best_model_at_end) \
         if cfg.do_train else result
-    if cfg.eval_report and accelerator.is_main_process:  # <output_dir>/eval_report/ (recipes/report.py)
-        report.write(cfg, out, *kept.held(final is not result), names, say=accelerator.print)
+    if accelerator.is_main_process:  # <output_dir>/eval_report/ (recipes/report.py), --calibrate into final/
+        held, what = kept.held(final is not result)
+        if cfg.eval_report:
+            report.write(cfg, out, held, what, names, say=accelerator.print)
+        calibration.calibrate(cfg, out, held, what, say=accelerator.print)
     if cfg.do_train:
         result = final
         tracking.finish(cfg, accelerator, out, result)  # final/README.md, and the upload with --push_to_hub

@@ -47,6 +47,9 @@ class Config:
     eval_report: bool = field(default=True, metadata={
         "help": "at the end, <output_dir>/eval_report/: per-class scores, confusion matrix, calibration "
                 "(recipes/report.py)"})
+    calibrate: Optional[str] = field(default=None, metadata={
+        "help": "temperature: after training, fit one temperature on half the validation set (by --seed), report "
+                "the other half's ECE before/after, and fold it into final/'s classifier (recipes/calibration.py)"})
     multi_label_threshold: float = field(default=0.5, metadata={
         "help": "multi-label: a label is predicted at p >= this"})
     validation_split: float = field(default=0.1, metadata={"help": "held-out fraction when there is no validation set"})

@@ -71,6 +71,7 @@ EXEMPT = {
     "revision": "a location on the Hub: the model is compared by its resolved files or commit",
     "cache_dir": "where downloads are kept",
     "eval_report": "what is written after training, not what is trained",
+    "calibrate": "applied to final/ after training, not to what is trained",
     "trust_remote_code": "a permission: the code it allows is among the model's hashed files",
     "ignore_mismatched_sizes": "start-up loading only: a resumed run's weights come from the checkpoint",
     "train_file": "a location: the training data are compared by fingerprint (rows, token ids, labels)",

@@ -147,6 +147,14 @@ def card_lines(out: Path) -> list[str]:
              "", "| label | precision | recall | F1 | support |", "|---|---|---|---|---|",
              *(f"| {n} | {v['precision']:.4f} | {v['recall']:.4f} | {v['f1']:.4f} | {v['support']} |"
                for n, v in per.items()), ""]
+    fitted = out / FOLDER / "calibration.json"
+    if fitted.is_file():
+        c = json.loads(fitted.read_text())
+        lines += [f"Calibrated (--calibrate temperature): the temperature {c['temperature']:.4f}, fitted on "
+                  f"{c['fit_examples']} validation examples, is folded into `{c['folded_into']}`, so the "
+                  f"probabilities of this model are the calibrated ones; on the other {c['held_out_examples']} "
+                  f"examples the ECE went from {c['ece_before']:.4f} to {c['ece_after']:.4f}. The table above is of "
+                  "the model before calibration (accuracy and the argmax are unchanged).", ""]
     return lines
 
 

@@ -20,10 +20,12 @@ POINTS = re.compile(r"[+\-−]\d+\.\d{2} points")
 
 def latest_results(kind: str = "bench") -> tuple[str, dict]:
     """The newest results file of `make bench` (<date>_<device>_<host>.json) or of `make bench BENCH=compile`
-    (<date>_compile_<device>_<host>.json); the records of scripts/demo_pretrained.py are neither."""
-    files = [p for p in (REPO / "results").glob("*.json") if ("_compile_" in p.name) == (kind == "compile")
-             and demo_pretrained.record_kind(p.stem) is None and not p.name.startswith("gpu_check_")
-             and "_imbalanced_" not in p.name]  # scripts/imbalanced.py's
+    (<date>_compile_<device>_<host>.json); other records (<date>_<kind>_<device>_<host>, gpu_check_*) are neither."""
+    def wanted(stem: str) -> bool:
+        parts = stem.split("_")
+        return re.fullmatch(r"\d{4}-\d\d-\d\d", parts[0]) is not None and (
+            len(parts) == 3 if kind == "bench" else len(parts) == 4 and parts[1] == kind)
+    files = [p for p in (REPO / "results").glob("*.json") if wanted(p.stem)]
     path = max(files, key=lambda p: p.name)
     return path.stem, json.loads(path.read_text())
 

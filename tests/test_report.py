@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import read_jsonl, run_recipe
-from recipes import report
+from recipes import RecipeError, calibration, report
 
 
 def test_single_label_scores_confusion_and_calibration_by_hand():
@@ -70,7 +70,8 @@ def test_held_outputs_and_a_report_without_matplotlib(tmp_path, monkeypatch):
 
 def test_ddp_report_counts_every_example_once_and_describes_final(tiny_model, tmp_path):
     out = tmp_path / "run"
-    run_recipe(out, "--eval_report", "true", "--eval_steps", "4", "--load_best_model_at_end")
+    run_recipe(out, "--eval_report", "true", "--eval_steps", "4", "--load_best_model_at_end", "--calibrate",
+               "temperature")
     r = json.loads((out / "eval_report" / "report.json").read_text())
     best = json.loads((out / "best" / "best_model.json").read_text())
     evals = read_jsonl(out / "eval.jsonl")
@@ -81,12 +82,60 @@ def test_ddp_report_counts_every_example_once_and_describes_final(tiny_model, tm
     assert r["accuracy"] == pytest.approx(held["accuracy"]) and r["macro"]["f1"] == pytest.approx(held["f1_macro"])
     assert sum(b["count"] for b in r["calibration"]["per_bin"]) == 101
     assert {p.name for p in (out / "eval_report").iterdir()} == {"report.json", "confusion_matrix.png",
-                                                                 "reliability.png"}
+                                                                 "reliability.png", "calibration.json"}
     assert "## Evaluation report (eval_report/, best evaluation" in (out / "final" / "README.md").read_text()
-    # --do_train false on final/, one process: the same report of the same weights
+    # the temperature, fitted on the best evaluation's logits, is folded into final/ (a copy of best/): final/'s
+    # logits are best/'s over T, the argmax and so the report's confusion matrix unchanged
+    fitted = json.loads((out / "eval_report" / "calibration.json").read_text())
+    assert fitted["step"] == best["step"] and fitted["fit_examples"] + fitted["held_out_examples"] == 101
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out / "final")
+    batch = tok(["很好用，推荐", "质量太差了，不会再买", "一般般"], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        raw = AutoModelForSequenceClassification.from_pretrained(out / "best")(**batch).logits
+        folded = AutoModelForSequenceClassification.from_pretrained(out / "final")(**batch).logits
+    assert (folded - raw / fitted["temperature"]).abs().max().item() < 1e-5
+    assert "Calibrated (--calibrate temperature)" in (out / "final" / "README.md").read_text()
+    # --do_train false on final/, one process: the same argmax, hence the same confusion matrix and counts
     again = tmp_path / "again"
     run_recipe(again, "--do_train", "false", "--eval_report", "true", "--model_name_or_path", str(out / "final"),
                config=None)
     r2 = json.loads((again / "eval_report" / "report.json").read_text())
     assert r2["confusion_matrix"] == r["confusion_matrix"] and r2["n_examples"] == 101
-    assert r2["calibration"]["ece"] == pytest.approx(r["calibration"]["ece"], abs=1e-5)
+
+
+def test_fitted_temperature_recovers_the_generating_one_and_folds_exactly(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(20000, 4, generator=gen)
+    labels = torch.multinomial((logits / 2.5).softmax(dim=-1), 1, generator=gen).squeeze(-1)  # the truth: T = 2.5
+    fitted = calibration.fit_temperature(logits, labels)
+    assert abs(fitted - 2.5) < 0.1
+    assert calibration.nll(logits, labels, fitted) < calibration.nll(logits, labels, 1.0)
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    x = torch.randint(3, 100, (2, 7))
+    for arch in ("roberta", "bert"):  # a two-layer head (out_proj) and a one-layer one
+        config = AutoConfig.for_model(arch, vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                      intermediate_size=64, num_labels=3)
+        torch.manual_seed(0)
+        model = AutoModelForSequenceClassification.from_config(config).eval()
+        model.save_pretrained(tmp_path / arch)
+        layer = calibration.fold(tmp_path / arch, 2.0)
+        assert layer == {"roberta": "classifier.out_proj", "bert": "classifier"}[arch]
+        folded = AutoModelForSequenceClassification.from_pretrained(tmp_path / arch).eval()
+        with torch.no_grad():
+            assert (folded(x).logits - model(x).logits / 2).abs().max().item() < 1e-6
+        assert folded.config.calibration_temperature == 2.0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(calibrate="platt"), "unknown --calibrate 'platt'"),
+    (dict(problem_type="multi_label"), "single-label classification, not multi_label"),
+    (dict(do_train=False), "needs training and an evaluation"),
+])
+def test_calibrations_it_cannot_make_are_one_line_errors(flags, message):
+    cfg = types.SimpleNamespace(**{"calibrate": "temperature", "problem_type": "single_label", "do_train": True,
+                                   "do_eval": True, **flags})
+    with pytest.raises(RecipeError, match=message):
+        calibration.check(cfg)
