@@ -1,4 +1,5 @@
-"""--calibrate temperature: one temperature T fitted after training, folded into final/ (issue 38, part 4).
+"""--calibrate temperature: one temperature T fitted after training, folded into final/; --calibrate thresholds: one
+threshold per label for a multi-label model, stored in final/config.json.
 
 The evaluation final/ holds (recipes/report.py Kept) gives the validation logits. Its examples are split in two
 halves by the run's seed: T minimises the negative log-likelihood of softmax(logits / T) on the first half (a golden
@@ -7,7 +8,11 @@ saw, gives the expected calibration error and the NLL before and after. T is the
 the weight and bias of its last linear layer (the one with a row per label) are divided by T, so the logits of a plain
 `AutoModelForSequenceClassification` / `pipeline()` load are the calibrated logits / T; argmax, hence accuracy, is
 unchanged. final/config.json records `calibration_temperature` and the layer; eval_report/calibration.json the fit.
-Single-label only; the multi-label thresholds of the report (best F1 per label) are not stored yet.
+--calibrate thresholds (multi-label): the threshold that maximises each label's F1 on the validation outputs of
+final/'s evaluation (the report's best_f1_threshold; --multi_label_threshold for a label without positives), stored in
+final/config.json as `label_thresholds`. This run's predictions.jsonl and any later run's on that final/ predict each
+label at its own threshold; evaluations keep --multi_label_threshold, since the thresholds were fitted on the very
+validation set they would score.
 """
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ import torch.nn.functional as F
 
 from recipes import RecipeError, report
 
-CHOICES = ("temperature",)
+CHOICES = {"temperature": "single_label", "thresholds": "multi_label"}  # --calibrate: the problem type it serves
+STORED = "label_thresholds"  # final/config.json: {label: threshold} of --calibrate thresholds
 GOLDEN = (math.sqrt(5) - 1) / 2
 
 
@@ -30,8 +36,9 @@ def check(cfg) -> None:
         return
     if cfg.calibrate not in CHOICES:
         raise RecipeError(f"unknown --calibrate '{cfg.calibrate}' (one of {', '.join(CHOICES)})")
-    if cfg.problem_type != "single_label":
-        raise RecipeError(f"--calibrate temperature applies to single-label classification, not {cfg.problem_type}")
+    if cfg.problem_type != CHOICES[cfg.calibrate]:
+        raise RecipeError(f"--calibrate {cfg.calibrate} applies to {CHOICES[cfg.calibrate].replace('_', '-')} "
+                          f"classification, not {cfg.problem_type}")
     if not (cfg.do_train and cfg.do_eval):
         raise RecipeError("--calibrate needs training and an evaluation: it is fitted on the validation set and "
                           "stored in final/")
@@ -101,13 +108,45 @@ def fold(final: Path, temperature: float) -> str:
     return layer
 
 
-def calibrate(cfg, out: Path, outputs: dict | None, what: str, say=print) -> dict | None:
-    """--calibrate temperature on rank 0 after final/ is written: fit, measure on the held-out half, fold, record."""
+def label_thresholds(cfg, outputs: dict | None, what: str, names: list[str], model_config) -> torch.Tensor | None:
+    """Multi-label thresholds per label, on every rank: with --calibrate thresholds, those that maximise each label's
+    F1 on the validation outputs of final/'s evaluation (recipes/report.py; --multi_label_threshold for a label with
+    no positive example); else those the model's config stores (a final/ calibrated so, loaded again); else None."""
+    if cfg.problem_type != "multi_label":
+        return None
+    if cfg.calibrate == "thresholds" and outputs is not None and "before this run resumed" not in what:
+        per_label = report.multi_label(outputs["logits"], outputs["references"], names,
+                                       cfg.multi_label_threshold)["per_label"]
+        best = [per_label[n]["best_f1_threshold"]["threshold"] for n in names]
+        return torch.tensor([cfg.multi_label_threshold if t is None else t for t in best])
+    stored = getattr(model_config, STORED, None)
+    return None if not stored else torch.tensor([float(stored[n]) for n in names])
+
+
+def calibrate(cfg, out: Path, outputs: dict | None, what: str, thresholds: torch.Tensor | None = None,
+              say=print) -> dict | None:
+    """--calibrate on rank 0 after final/ is written. temperature: fit, measure on the held-out half, fold, record;
+    thresholds: store `thresholds` (label_thresholds') in final/config.json, where predictions read them."""
     if cfg.calibrate is None:
         return None
     if outputs is None or "before this run resumed" in what:
         say(f"--calibrate: skipped: the logits of final/'s weights are not in this run ({what})")
         return None
+    if cfg.calibrate == "thresholds":
+        names = [n for _, n in sorted(json.loads((out / "final" / "config.json").read_text())["id2label"].items(),
+                                      key=lambda kv: int(kv[0]))]
+        stored = dict(zip(names, thresholds.tolist()))
+        path = out / "final" / "config.json"
+        config = json.loads(path.read_text())
+        config[STORED] = stored
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        result = {"method": "thresholds", "thresholds": stored, "fitted_on": f"{len(outputs['references'])} "
+                  "validation examples (the scores at these thresholds on the same examples are optimistic)",
+                  "evaluation": what, "step": outputs["step"]}
+        (out / report.FOLDER).mkdir(parents=True, exist_ok=True)
+        (out / report.FOLDER / "calibration.json").write_text(json.dumps(result, indent=2) + "\n")
+        say(f"calibrated: per-label thresholds {stored} stored in final/config.json ({STORED})")
+        return result
     logits, labels = outputs["logits"].double(), outputs["references"]
     fit, held = halves(len(labels), cfg.seed)
     temperature = fit_temperature(logits[fit], labels[fit])

@@ -307,15 +307,17 @@ def main(cfg: Config) -> dict:
         kept.record(seen if cfg.do_eval else None, False)
         if cfg.do_eval and accelerator.is_main_process:
             records.append_jsonl(out / "eval.jsonl", result)
-    if predict_ds is not None:
-        predict.write_predictions(cfg, accelerator, model, predict_ds, tokenizer, names, out / "predictions.jsonl")
     final = longrun.save_final(accelerator, model, tokenizer, out, result, cfg.load_best_model_at_end) \
         if cfg.do_train else result
+    held, what = kept.held(final is not result)  # the evaluation of final/'s weights
+    thresholds = calibration.label_thresholds(cfg, held, what, names, accelerator.unwrap_model(model).config)
+    if predict_ds is not None:  # multi-label: at the stored or --calibrate thresholds per label, if any
+        predict.write_predictions(cfg, accelerator, model, predict_ds, tokenizer, names, out / "predictions.jsonl",
+                                  thresholds)
     if accelerator.is_main_process:  # <output_dir>/eval_report/ (recipes/report.py), --calibrate into final/
-        held, what = kept.held(final is not result)
         if cfg.eval_report:
             report.write(cfg, out, held, what, names, say=accelerator.print)
-        calibration.calibrate(cfg, out, held, what, say=accelerator.print)
+        calibration.calibrate(cfg, out, held, what, thresholds, say=accelerator.print)
     if cfg.do_train:
         result = final
         tracking.finish(cfg, accelerator, out, result)  # final/README.md, and the upload with --push_to_hub

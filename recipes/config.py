@@ -48,8 +48,10 @@ class Config:
         "help": "at the end, <output_dir>/eval_report/: per-class scores, confusion matrix, calibration "
                 "(recipes/report.py)"})
     calibrate: Optional[str] = field(default=None, metadata={
-        "help": "temperature: after training, fit one temperature on half the validation set (by --seed), report "
-                "the other half's ECE before/after, and fold it into final/'s classifier (recipes/calibration.py)"})
+        "help": "temperature (single-label): fit one temperature on half the validation set (by --seed), report "
+                "the other half's ECE before/after, fold it into final/'s classifier; thresholds (multi-label): each "
+                "label's best-F1 threshold, stored in final/config.json and used by predictions "
+                "(recipes/calibration.py)"})
     multi_label_threshold: float = field(default=0.5, metadata={
         "help": "multi-label: a label is predicted at p >= this"})
     validation_split: float = field(default=0.1, metadata={"help": "held-out fraction when there is no validation set"})

@@ -16,8 +16,11 @@ import torch
 from recipes import data, problem
 
 
-def write_predictions(cfg, accelerator, model, predict_ds, tokenizer, names: list[str], path: Path) -> int:
+def write_predictions(cfg, accelerator, model, predict_ds, tokenizer, names: list[str], path: Path,
+                      thresholds: torch.Tensor | None = None) -> int:
     """Predict every row of `predict_ds` and write `path` (rank 0, through a temporary file); returns the count.
+    Multi-label: a label is predicted at p >= its own threshold (`thresholds`, recipes/calibration.py), else at
+    --multi_label_threshold.
 
     Each line: {"row", "prediction" (label name, list of names, or score), "probabilities" (classification),
     "label" (the row's own label when it has one)}.
@@ -46,7 +49,7 @@ def write_predictions(cfg, accelerator, model, predict_ds, tokenizer, names: lis
         with open(tmp, "w") as f:
             for i in range(len(rows)):
                 record = problem.prediction_record(cfg.problem_type, int(rows[i]), logits[i], names,
-                                                   cfg.multi_label_threshold)
+                                                   cfg.multi_label_threshold if thresholds is None else thresholds)
                 if has_label[i]:
                     record["label"] = _label_value(cfg.problem_type, labels[i], names)
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -148,7 +148,12 @@ def card_lines(out: Path) -> list[str]:
              *(f"| {n} | {v['precision']:.4f} | {v['recall']:.4f} | {v['f1']:.4f} | {v['support']} |"
                for n, v in per.items()), ""]
     fitted = out / FOLDER / "calibration.json"
-    if fitted.is_file():
+    if fitted.is_file() and json.loads(fitted.read_text())["method"] == "thresholds":
+        stored = json.loads(fitted.read_text())["thresholds"]
+        lines += ["Per-label thresholds (--calibrate thresholds, the best F1 of each label on the validation set) are "
+                  "stored in config.json as `label_thresholds`; the recipe's predictions with this model use them: "
+                  + ", ".join(f"{n} {t:.3f}" for n, t in stored.items()) + ".", ""]
+    elif fitted.is_file():
         c = json.loads(fitted.read_text())
         lines += [f"Calibrated (--calibrate temperature): the temperature {c['temperature']:.4f}, fitted on "
                   f"{c['fit_examples']} validation examples, is folded into `{c['folded_into']}`, so the "

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import read_jsonl, run_recipe
-from recipes import RecipeError, calibration, report
+from recipes import RecipeError, calibration, problem, report
 
 
 def test_single_label_scores_confusion_and_calibration_by_hand():
@@ -139,3 +139,26 @@ def test_calibrations_it_cannot_make_are_one_line_errors(flags, message):
                                    "do_eval": True, **flags})
     with pytest.raises(RecipeError, match=message):
         calibration.check(cfg)
+
+
+def test_multi_label_thresholds_are_stored_in_final_and_used_by_predictions(tmp_path):
+    from transformers import AutoConfig
+
+    probs = torch.tensor([[0.9, 0.2], [0.7, 0.6], [0.4, 0.1], [0.3, 0.8]])
+    outputs = {"step": 5, "logits": torch.logit(probs), "references": torch.tensor([[1, 0], [1, 1], [1, 0], [0, 0]])}
+    cfg = types.SimpleNamespace(problem_type="multi_label", calibrate="thresholds", multi_label_threshold=0.5)
+    config = AutoConfig.for_model("roberta", num_labels=2, id2label={0: "x", 1: "y"}, label2id={"x": 0, "y": 1})
+    fitted = calibration.label_thresholds(cfg, outputs, "last evaluation", ["x", "y"], config)
+    assert fitted.tolist() == pytest.approx([0.4, 0.6])  # each label's best F1 (test_multi_label_thresholds_...)
+    config.save_pretrained(tmp_path / "final")
+    calibration.calibrate(cfg, tmp_path, outputs, "last evaluation", fitted, say=lambda line: None)
+    stored = AutoConfig.from_pretrained(tmp_path / "final")
+    assert stored.label_thresholds == pytest.approx({"x": 0.4, "y": 0.6})
+    later = types.SimpleNamespace(problem_type="multi_label", calibrate=None, multi_label_threshold=0.5)
+    again = calibration.label_thresholds(later, None, "", ["x", "y"], stored)  # a later run on that final/
+    assert again.tolist() == pytest.approx([0.4, 0.6])
+    assert calibration.label_thresholds(later, None, "", ["x", "y"], config) is None  # nothing stored: the flag's
+    record = problem.prediction_record("multi_label", 7, torch.logit(torch.tensor([0.45, 0.55])), ["x", "y"], again)
+    assert record["prediction"] == ["x"]  # 0.45 >= 0.4, 0.55 < 0.6; at 0.5 it would have been ["y"]
+    report.write(cfg, tmp_path, outputs, "last evaluation", ["x", "y"], say=lambda line: None)
+    assert "as `label_thresholds`" in "\n".join(report.card_lines(tmp_path))  # the model card says so
