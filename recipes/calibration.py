@@ -159,6 +159,9 @@ def calibrate(cfg, out: Path, outputs: dict | None, what: str, thresholds: torch
               "nll_before": nll(logits[held], labels[held], 1.0),
               "nll_after": nll(logits[held], labels[held], temperature), "evaluation": what, "step": outputs["step"]}
     result["folded_into"] = fold(out / "final", temperature)
+    if (out / "final" / "adapter").is_dir():  # --use_peft: the merged final/ is calibrated, the adapter's head is not
+        result["adapter"] = "final/adapter/ keeps the uncalibrated head: load the merged final/ for calibrated output"
+        say(f"--calibrate: {result['adapter']}")
     folder = out / report.FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "calibration.json").write_text(json.dumps(result, indent=2) + "\n")
