@@ -123,8 +123,8 @@ def label_thresholds(cfg, outputs: dict | None, what: str, names: list[str], mod
     return None if not stored else torch.tensor([float(stored[n]) for n in names])
 
 
-def calibrate(cfg, out: Path, outputs: dict | None, what: str, thresholds: torch.Tensor | None = None,
-              say=print) -> dict | None:
+def calibrate(cfg, out: Path, outputs: dict | None, what: str, names: list[str],
+              thresholds: torch.Tensor | None = None, say=print) -> dict | None:
     """--calibrate on rank 0 after final/ is written. temperature: fit, measure on the held-out half, fold, record;
     thresholds: store `thresholds` (label_thresholds') in final/config.json, where predictions read them."""
     if cfg.calibrate is None:
@@ -133,8 +133,6 @@ def calibrate(cfg, out: Path, outputs: dict | None, what: str, thresholds: torch
         say(f"--calibrate: skipped: the logits of final/'s weights are not in this run ({what})")
         return None
     if cfg.calibrate == "thresholds":
-        names = [n for _, n in sorted(json.loads((out / "final" / "config.json").read_text())["id2label"].items(),
-                                      key=lambda kv: int(kv[0]))]
         stored = dict(zip(names, thresholds.tolist()))
         path = out / "final" / "config.json"
         config = json.loads(path.read_text())

@@ -317,7 +317,7 @@ def main(cfg: Config) -> dict:
     if accelerator.is_main_process:  # <output_dir>/eval_report/ (recipes/report.py), --calibrate into final/
         if cfg.eval_report:
             report.write(cfg, out, held, what, names, say=accelerator.print)
-        calibration.calibrate(cfg, out, held, what, thresholds, say=accelerator.print)
+        calibration.calibrate(cfg, out, held, what, names, thresholds, say=accelerator.print)
     if cfg.do_train:
         result = final
         tracking.finish(cfg, accelerator, out, result)  # final/README.md, and the upload with --push_to_hub

@@ -34,6 +34,7 @@ from recipes.flag_checks import load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 AUTOCAST = "cuda"  # the device type of the bf16 autocast
+KERNEL = pf._VARLEN  # torch's varlen kernel as recipes/padding_free.py found it; forward() switches it per path
 
 
 def model_of(shape: Path):
@@ -150,8 +151,6 @@ def main(argv=None) -> int:
     print(stem.with_suffix(".md").read_text())
     return 0
 
-
-KERNEL = pf._VARLEN  # the kernel as the module found it; forward() switches it per path
 
 if __name__ == "__main__":
     raise SystemExit(main())

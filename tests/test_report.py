@@ -41,7 +41,7 @@ def test_multi_label_thresholds_and_regression_by_hand():
     r = report.multi_label(torch.logit(probs), labels, ["x", "y"], threshold=0.5)
     x, y = r["per_label"]["x"], r["per_label"]["y"]
     assert x["confusion_tn_fp_fn_tp"] == [1, 0, 1, 2] and x["recall"] == pytest.approx(2 / 3)
-    assert x["best_f1_threshold"]["threshold"] == pytest.approx(0.4) and x["best_f1_threshold"]["f1"] == pytest.approx(1.0)
+    assert x["best_f1_threshold"] == pytest.approx({"threshold": 0.4, "f1": 1.0})
     assert y["confusion_tn_fp_fn_tp"] == [2, 1, 0, 1] and y["best_f1_threshold"]["threshold"] == pytest.approx(0.6)
     reg = report.regression(torch.tensor([[1.0], [2.0], [4.0]]), torch.tensor([1.0, 3.0, 3.0]))
     assert reg["mae"] == pytest.approx(2 / 3) and reg["rmse"] == pytest.approx((2 / 3) ** 0.5)
@@ -151,7 +151,7 @@ def test_multi_label_thresholds_are_stored_in_final_and_used_by_predictions(tmp_
     fitted = calibration.label_thresholds(cfg, outputs, "last evaluation", ["x", "y"], config)
     assert fitted.tolist() == pytest.approx([0.4, 0.6])  # each label's best F1 (test_multi_label_thresholds_...)
     config.save_pretrained(tmp_path / "final")
-    calibration.calibrate(cfg, tmp_path, outputs, "last evaluation", fitted, say=lambda line: None)
+    calibration.calibrate(cfg, tmp_path, outputs, "last evaluation", ["x", "y"], fitted, say=lambda line: None)
     stored = AutoConfig.from_pretrained(tmp_path / "final")
     assert stored.label_thresholds == pytest.approx({"x": 0.4, "y": 0.6})
     later = types.SimpleNamespace(problem_type="multi_label", calibrate=None, multi_label_threshold=0.5)
