@@ -114,7 +114,7 @@ def label_thresholds(cfg, outputs: dict | None, what: str, names: list[str], mod
     no positive example); else those the model's config stores (a final/ calibrated so, loaded again); else None."""
     if cfg.problem_type != "multi_label":
         return None
-    if cfg.calibrate == "thresholds" and outputs is not None and "before this run resumed" not in what:
+    if cfg.calibrate == "thresholds" and outputs is not None and what != report.NOT_FINAL:
         per_label = report.multi_label(outputs["logits"], outputs["references"], names,
                                        cfg.multi_label_threshold)["per_label"]
         best = [per_label[n]["best_f1_threshold"]["threshold"] for n in names]
@@ -129,7 +129,7 @@ def calibrate(cfg, out: Path, outputs: dict | None, what: str, names: list[str],
     thresholds: store `thresholds` (label_thresholds') in final/config.json, where predictions read them."""
     if cfg.calibrate is None:
         return None
-    if outputs is None or "before this run resumed" in what:
+    if outputs is None or what == report.NOT_FINAL:
         say(f"--calibrate: skipped: the logits of final/'s weights are not in this run ({what})")
         return None
     if cfg.calibrate == "thresholds":

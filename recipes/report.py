@@ -24,6 +24,8 @@ import torch
 
 ECE_BINS = 15
 FOLDER = "eval_report"
+# what Kept.held says when the outputs it has are not of final/'s weights (--calibrate then skips)
+NOT_FINAL = "last evaluation: final/ holds the best one, made before this run resumed"
 
 
 class Kept:
@@ -43,7 +45,7 @@ class Kept:
             return self.last, "last evaluation"
         if self.best is not None:
             return self.best, "best evaluation (--load_best_model_at_end)"
-        return self.last, "last evaluation: final/ holds the best one, made before this run resumed"
+        return self.last, NOT_FINAL
 
 
 def calibration(probs: torch.Tensor, labels: torch.Tensor, bins: int = ECE_BINS) -> dict:
