@@ -32,7 +32,6 @@ import sys
 from collections import defaultdict
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 NAMESPACES = ("c10d", "_c10d_functional")
@@ -125,6 +124,11 @@ class CommCounter(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
+        # imported here, not with the module: torch.distributed.tensor costs 1.4 s of import in torch 2.13, which the
+        # recipe paid at start-up for this test instrument when it is off
+        from torch.distributed.tensor import DTensor
+
+        self.dtensor = DTensor
         self.calls: dict = defaultdict(int)
         self.payload_bytes: dict = defaultdict(int)
         self.sent_bytes: dict = defaultdict(float)
@@ -135,7 +139,7 @@ class CommCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default:
             self.host_reads[reading_module(sys._getframe(1))] += 1
-        if any(issubclass(t, DTensor) for t in types):
+        if any(issubclass(t, self.dtensor) for t in types):
             # DTensor handles the op: it may issue collectives of its own (a Partial norm made Replicate inside
             # clip_grad_norm_), on its local tensors, which then come back to this mode.
             return NotImplemented

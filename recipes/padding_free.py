@@ -208,12 +208,22 @@ def _varlen_kernel():
     return varlen_attn if "scale" in inspect.signature(varlen_attn).parameters else None
 
 
-_VARLEN = _varlen_kernel()  # used for a packed row on CUDA in fp16/bf16 without attention dropout
+# Used for a packed row on CUDA in fp16/bf16 without attention dropout. Looked up on first use, not at import: in
+# torch 2.13 importing torch.nn.attention.varlen imports torch._dynamo (1.9 s here), which a run without a packed
+# CUDA row does not need.
+_VARLEN = ...  # not looked up yet
+
+
+def _varlen():
+    global _VARLEN
+    if _VARLEN is ...:
+        _VARLEN = _varlen_kernel()
+    return _VARLEN
 
 
 def _takes_varlen(query, dropout: float, sliding_window) -> bool:
-    return (_VARLEN is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0
-            and sliding_window is None)
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0
+            and sliding_window is None and _varlen() is not None)
 _LAST_PLAN: list = [None, None]  # (boundaries, plan) of the forward pass running now: every layer reuses it
 
 
@@ -239,7 +249,7 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
     if _takes_varlen(query, dropout, sliding_window):  # the packed row as it is: no re-pad, no host sync
-        out = _VARLEN(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_seq_lens_q,
+        out = _varlen()(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_seq_lens_q,
                       cu_seq_lens_q, max_length_q, max_length_q, scale=scaling)
         return out.unsqueeze(0), None  # (1, R, heads, d)
     plan = _plan(cu_seq_lens_q, max_length_q, query.shape[2])

@@ -19,6 +19,7 @@ import csv
 import datetime as dt
 import json
 import random
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -57,9 +58,9 @@ def make_files(folder: Path = DATA, share: float = POSITIVE_SHARE) -> dict:
     return counts
 
 
-def train(seed: int, weighted: bool) -> dict:
+def train(seed: int, weighted: bool, flags: list) -> dict:
     out = RUNS / f"seed{seed}_{'balanced' if weighted else 'plain'}"
-    cmd = [sys.executable, "recipes/cls.py", *FLAGS, "--train_file", str(DATA / "train.csv"),
+    cmd = [sys.executable, "recipes/cls.py", *flags, "--train_file", str(DATA / "train.csv"),
            "--validation_file", str(DATA / "validation.csv"), "--seed", str(seed), "--output_dir", str(out),
            "--overwrite_output_dir", *(["--class_weights", "balanced"] if weighted else [])]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
@@ -75,7 +76,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--make_only", action="store_true")
+    parser.add_argument("--flags", default="", help="recipe flags after FLAGS (a later flag wins), e.g. "
+                        "'--warmup_ratio 0.1'; the results file's name gets a tag from --tag")
+    parser.add_argument("--tag", default="", help="added to the results file's name, e.g. 'warmup'")
     args = parser.parse_args(argv)
+    flags = FLAGS + shlex.split(args.flags)
     counts = make_files()
     print(f"imbalanced: {DATA}: {counts}")
     if args.make_only:
@@ -83,18 +88,19 @@ def main(argv=None) -> int:
     runs = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         for weighted in (False, True):
-            runs.append(train(seed, weighted))
+            runs.append(train(seed, weighted, flags))
             print(json.dumps(runs[-1]))
     pairs = [(p, w) for p in runs if not p["weighted"] for w in runs if w["weighted"] and w["seed"] == p["seed"]]
     gain = summary([w["macro_f1"] - p["macro_f1"] for p, w in pairs])
-    result = {"date": str(dt.date.today()), "data": counts, "flags": FLAGS, "runs": runs, "macro_f1_gain": gain,
+    result = {"date": str(dt.date.today()), "data": counts, "flags": flags, "runs": runs, "macro_f1_gain": gain,
               "interval": "95% Student's t over the seeds of the paired difference (balanced - plain)"}
     hw = bench.hardware()
     result["hardware"] = hw
-    stem = REPO / "results" / f"{dt.date.today()}_imbalanced_{slug(hw['device'])}_{slug(hw['host'])}"
+    kind = f"imbalanced_{args.tag}" if args.tag else "imbalanced"
+    stem = REPO / "results" / f"{dt.date.today()}_{kind}_{slug(hw['device'])}_{slug(hw['host'])}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# --class_weights balanced vs none, positives {POSITIVE_SHARE:.0%} of the reviews ({dt.date.today()})",
-             "", f"scripts/imbalanced.py: tiny model, one process, {' '.join(FLAGS[2:])}; train {counts['train']}, "
+             "", f"scripts/imbalanced.py: tiny model, one process, {' '.join(flags[2:])}; train {counts['train']}, "
              f"validation {counts['validation']}.", "",
              "| seed | weights | macro-F1 | accuracy | recall negative | recall positive | ECE | steps |",
              "|--:|---|--:|--:|--:|--:|--:|--:|"]

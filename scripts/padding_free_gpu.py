@@ -34,7 +34,7 @@ from recipes.flag_checks import load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 AUTOCAST = "cuda"  # the device type of the bf16 autocast
-KERNEL = pf._VARLEN  # torch's varlen kernel as recipes/padding_free.py found it; forward() switches it per path
+KERNEL = pf._varlen()  # torch's varlen kernel as recipes/padding_free.py found it; forward() switches it per path
 
 
 def model_of(shape: Path):

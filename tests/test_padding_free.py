@@ -2,9 +2,10 @@
 
 In-process: every accepted architecture's packed logits (and gradients) against the padded model's, and proof that
 the comparison catches the two bugs users report (RoBERTa's positions counted from 0, sequences that see each
-other). Launched (8 runs of the dropout-free tiny model): dynamic padding on DDP as the reference; padding-free on
+other). Launched (10 runs of the dropout-free tiny model): dynamic padding on DDP as the reference; padding-free on
 one process, DDP, FSDP2, ZeRO-2, ZeRO-3 and ZeRO-3 with CPU offload (DeepSpeed's CPU Adam, in AdamW mode) with
-accumulation and a partial last window; a mid-epoch resume.
+accumulation and a partial last window; a mid-epoch resume; with --group_by_length on one process against grouped
+dynamic padding.
 """
 from __future__ import annotations
 
@@ -258,6 +259,27 @@ def test_every_strategy_trains_the_dynamic_padding_losses(runs, tmp_path, config
     one_process = [] if config else ["--per_device_train_batch_size", "16"]  # the same 32 samples a step
     run_recipe(tmp_path / "run", *flags, *one_process, "--padding_free", config=config, launch_args=launch)
     assert_same_training(root / "padded", tmp_path / "run", STRATEGY_ATOL if config else 1e-6)
+
+
+def test_group_by_length_with_padding_free_trains_the_grouped_losses(runs, tmp_path):
+    """--group_by_length --padding_free (allowed together), one process: the grouped micro-batches of dynamic padding,
+    sample for sample, with their losses and eval, and no position computed for padding."""
+    root, flags = runs
+    grouped = [*flags, "--per_device_train_batch_size", "16", "--group_by_length"]
+    run_recipe(tmp_path / "padded", *grouped, config=None)
+    run_recipe(tmp_path / "packed", *grouped, "--padding_free", config=None)
+    assert_same_training(tmp_path / "padded", tmp_path / "packed", 1e-6)
+    [padded_rank], [packed_rank] = rank_records(tmp_path / "padded"), rank_records(tmp_path / "packed")
+    assert packed_rank["sample_ids"] == padded_rank["sample_ids"]
+
+    def padding_share(run):
+        records = read_jsonl(run / "metrics.jsonl")
+        return 1 - sum(r["tokens"] for r in records) / sum(r["padded_tokens"] for r in records)
+
+    # grouping took effect: its padded batches of 16 hold less padding than the ungrouped reference's batches of 8
+    shares = padding_share(tmp_path / "padded"), padding_share(root / "padded")
+    print(f"padding share: grouped {shares[0]:.3f}, ungrouped {shares[1]:.3f}")
+    assert shares[0] < shares[1] / 2
 
 
 def test_predictions_in_input_order_and_equal_to_the_padded_ones(tiny_model, tmp_path):
