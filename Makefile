@@ -46,7 +46,8 @@ test: offline-model fetch-pretrained
 # docs/benchmark.md. BENCH_MODEL=<folder or Hub id> benches that encoder instead of the tiny RoBERTa (the page is
 # then left alone).
 bench: offline-model
-	$(PY) scripts/bench.py --profile $(or $(BENCH),quick) $(if $(BENCH_MODEL),--model_name_or_path $(BENCH_MODEL))
+	$(if $(filter compile,$(BENCH)),$(PY) scripts/bench_compile.py,\
+		$(PY) scripts/bench.py --profile $(or $(BENCH),quick) $(if $(BENCH_MODEL),--model_name_or_path $(BENCH_MODEL)))
 
 # On a connected machine: the pinned stack but torch as wheels in .whl/ for a GPU machine without network (about
 # 43 MiB for Python 3.12). GPU_WHEELS_SKIP replaces the list of packages the GPU machine has (scripts/gpu_wheels.py).

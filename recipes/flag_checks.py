@@ -8,10 +8,10 @@ first forward) or not at all (zero epochs exits 0 after training nothing).
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 
-from recipes import RecipeError, adapters, compilation, kernels, longrun, padding_free, profiling, schedule
+from recipes import (RecipeError, adapters, compilation, first_line, hub, kernels, longrun, padding_free, profiling,
+                     schedule)
 from recipes.problem import PROBLEM_TYPES
 
 TRUNCATIONS = ("longest_first", "only_first", "only_second")
@@ -109,10 +109,6 @@ def check_flags(cfg) -> None:
         raise RecipeError("; ".join(problems))
 
 
-def _is_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-
-
 def loading_kwargs(cfg) -> dict:
     """The loading flags every `from_pretrained` of the run gets (config, model, tokenizer)."""
     return {"revision": cfg.revision, "cache_dir": cfg.cache_dir, "trust_remote_code": cfg.trust_remote_code}
@@ -133,6 +129,9 @@ def load_tokenizer(cfg):
         raise RecipeError(f"cannot load the tokenizer of '{name}': the folder has {', '.join(present)} but no "
                           f"vocabulary ({', '.join(VOCABULARY_FILES[:3])}, ...); copy the model's vocabulary file "
                           "into it or give a tokenizer with --tokenizer_name")
+    why = hub.unreachable(name, cfg.cache_dir, cfg.revision)  # --tokenizer_name: a Hub id of its own
+    if why:
+        raise RecipeError(hub.cannot_fetch(name, why))
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, **loading_kwargs(cfg))
     except (OSError, ValueError, TypeError) as err:
@@ -157,10 +156,6 @@ def mismatched_sizes_refused(cfg):
                           "start those weights fresh") from None
 
 
-def first_line(err) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
-
-
 def check_model_source(cfg):
     """The model's config, loaded once; a RecipeError for a folder without weights (unless --random_init) or with
     weights that do not fit its config, a Hub id that cannot be fetched, or a --max_length beyond the model's
@@ -174,14 +169,18 @@ def check_model_source(cfg):
         if not cfg.random_init and not any((path / f).is_file() for f in WEIGHT_FILES):
             raise RecipeError(f"model folder {path} holds a config but no weights; add --random_init to train "
                               "this architecture from scratch")
+    if not path.exists() and not hub.is_hub_id(cfg.model_name_or_path):
+        raise RecipeError(f"model folder {path} not found (nor a Hub id: `name` or `org/name`)")
+    why = hub.unreachable(cfg.model_name_or_path, cfg.cache_dir, cfg.revision)  # seconds, not the Hub's retries
+    if why:
+        raise RecipeError(hub.cannot_fetch(cfg.model_name_or_path, why))
     try:
         config = AutoConfig.from_pretrained(cfg.model_name_or_path, **loading_kwargs(cfg))
     except (OSError, ValueError) as err:
         if path.exists():
             raise RecipeError(f"cannot read model {path}: {str(err).strip().splitlines()[0]}") from None
-        why = "offline mode is on (HF_HUB_OFFLINE=1)" if _is_offline() else "the Hugging Face Hub is unreachable"
-        raise RecipeError(f"model '{cfg.model_name_or_path}' cannot be fetched: {why} or the name is wrong; offline: "
-                          "make offline-model, then add --model_name_or_path artifacts/tiny-roberta") from None
+        why = hub.OFFLINE if hub.offline() else hub.NOT_SERVED
+        raise RecipeError(hub.cannot_fetch(cfg.model_name_or_path, why)) from None
     if path.is_dir() and not cfg.random_init:
         check_weights_fit(cfg, config)
     adapters.check_targets(cfg, config)  # --lora_target_modules names modules of this model

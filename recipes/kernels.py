@@ -27,7 +27,7 @@ import contextlib
 
 import torch
 
-from recipes import RecipeError
+from recipes import RecipeError, first_line
 
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
 ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -101,8 +101,6 @@ def describe(model, optimizer) -> dict:
 def attention_refused(cfg):
     """transformers 5.23 raises ImportError (flash-attn not installed) or ValueError (an implementation the model
     does not support) from deep inside loading: one line naming the flag instead."""
-    from recipes.flag_checks import first_line  # here: flag_checks imports this module for flag_problems
-
     try:
         yield
     except (ImportError, ValueError) as err:

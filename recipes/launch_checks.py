@@ -16,7 +16,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from recipes import RecipeError, precision_support
+from recipes import RecipeError, hub, precision_support
 
 # DeepSpeed ignores unknown top-level keys without a word, so a misspelt key silently falls back to its default.
 # What our JSONs use, plus the common keys of the DeepSpeed configuration reference.
@@ -64,6 +64,9 @@ def model_skeleton(model_path: str, num_labels: int = 2, **loading):
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
+    why = hub.unreachable(model_path, loading.get("cache_dir"), loading.get("revision"))
+    if why:
+        raise RecipeError(hub.cannot_fetch(model_path, why))
     config = AutoConfig.from_pretrained(model_path, num_labels=num_labels, **loading)
     with torch.device("meta"):
         return AutoModelForSequenceClassification.from_config(
@@ -272,6 +275,8 @@ def check_yaml(yaml_path: str, recipe: dict, model_path: str | None = None,
                                                          ("trust_remote_code", False))}
             try:
                 problems += wrap_class_problems(wrap, cached_skeleton(str(model_path), **loading), model_path)
+            except RecipeError as err:  # a Hub id this machine cannot fetch: the line says how to stage it
+                problems.append(str(err))
             except (OSError, ValueError) as err:
                 problems.append(f"cannot build the model skeleton from {model_path}: {' '.join(str(err).split())}")
     return problems

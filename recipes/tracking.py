@@ -18,8 +18,7 @@ from pathlib import Path
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 from accelerate.utils import LoggerType
 
-from recipes import RecipeError, records, report
-from recipes.flag_checks import first_line
+from recipes import RecipeError, first_line, records, report
 from recipes.metrics import AVAILABLE
 
 # The names Accelerate 1.15.0's `log_with` takes, besides "all" (every installed tracker); "none" logs nowhere.

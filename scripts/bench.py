@@ -2,7 +2,7 @@
 
     make bench                 # quick: the tiny model in fp32, every strategy + baselines (its results .md says how long it took)
     make bench BENCH=full      # + roberta-base and roberta-large shapes (random init) in bf16, for GPU machines
-    make bench BENCH=compile   # torch.compile vs eager, tiny and roberta-base shape, fp32 (scripts/bench_compile.py)
+    make bench BENCH=compile   # torch.compile vs eager, tiny and roberta-base shape, fp32: scripts/bench_compile.py
 
 Each run trains the same data, seed, number of optimizer steps and effective batch; throughput counts the steps after
 a warm-up, from the recipe's metrics.jsonl (elapsed, samples, tokens). Runs go to runs/bench/<model>_<run>; the
@@ -664,7 +664,8 @@ def padding_costs(spec: ModelSpec, profile: Profile, multiple: int = 8) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--profile", choices=sorted(PROFILES), default="quick")
+    parser.add_argument("--profile", choices=("quick", "full"), default="quick",
+                        help="compile (torch.compile vs eager) is scripts/bench_compile.py: make bench BENCH=compile")
     parser.add_argument("--strategies", nargs="*", choices=STRATEGIES, default=list(STRATEGIES))
     parser.add_argument("--baselines", nargs="*", choices=BASELINES, default=list(BASELINES))
     parser.add_argument("--precision", choices=("fp32", "bf16"), help="override every model's precision")
@@ -682,12 +683,6 @@ def main(argv=None) -> None:
     parser.add_argument("--rerender", metavar="RESULTS_JSON",
                         help="recompute throughput and ratios of a results file from its runs' records, rewrite it")
     args = parser.parse_args(argv)
-    if args.profile == "compile":  # its own runs and results (eager vs compiled pairs)
-        from scripts import bench_compile
-
-        bench_compile.run(PROFILES["compile"], Path(args.runs_dir).resolve(), Path(args.results_dir),
-                          "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]))
-        return
     if args.rerender:
         results = rerender(Path(args.rerender))
     else:

@@ -1,6 +1,7 @@
 """`make bench BENCH=compile`: the recipe compiled (--torch_compile) beside the recipe eager, on the same work.
 
     make bench BENCH=compile   # 9.3 min on 2 CPU cores with inductor's cache warm, about 25 min on a first run
+    python scripts/bench_compile.py [--runs_dir runs/bench] [--results_dir results]   # the same
 
 Rows: the tiny model (dynamic padding, as users run it) and the roberta-base shape (random init, batch 8 x 128 fixed
 by --pad_to_max_length), each with its config's dropout (0.1) and without dropout (a copy of its config with both
@@ -22,16 +23,18 @@ Results: results/<date>_compile_<device>_<host>.{json,md}.
 """
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import shutil
 import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from recipes.records import library_versions, read_jsonl
-from scripts.bench import (ACCELERATE, REPO, Profile, Run, cpu_matmul_flops, execute, free_port, hardware,
-                           progress, run_env, threads_of)
+from scripts.bench import (ACCELERATE, PROFILES, REPO, Profile, Run, cpu_matmul_flops, execute, free_port,
+                           hardware, progress, run_env, threads_of)
 from scripts.bench_report import round_order, slug, spread
 
 SIDES = ("eager", "compiled")
@@ -214,3 +217,16 @@ def run(profile: Profile, runs_dir: Path, results_dir: Path, command_line: str, 
     (results_dir / f"{stem}.md").write_text(markdown(results))
     log("\n".join(["", *ratio_lines(results), "", f"wrote {results_dir / stem}.{{json,md}}"]))
     return results
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs_dir", default=str(REPO / "runs" / "bench"))
+    parser.add_argument("--results_dir", default=str(REPO / "results"))
+    args = parser.parse_args(argv)
+    run(PROFILES["compile"], Path(args.runs_dir).resolve(), Path(args.results_dir),
+        "python scripts/bench_compile.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

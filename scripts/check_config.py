@@ -28,7 +28,7 @@ from dataclasses import fields
 from pathlib import Path
 from unittest import mock
 
-from recipes import launch_checks, trainer_args_checks
+from recipes import hub, launch_checks, trainer_args_checks
 from recipes.cls import Config
 from recipes.config import HelpFormatter
 from scripts import memory_model
@@ -217,6 +217,10 @@ def main(argv=None) -> int:
         parser.error("--write_resolved takes one YAML")
     if args.num_processes is not None and (args.num_processes < 1 or not args.write_resolved):
         parser.error("--num_processes N (N >= 1) goes with --write_resolved")
+    why = args.model_name_or_path and hub.unreachable(args.model_name_or_path, args.cache_dir, args.revision)
+    if why:  # a Hub id this machine cannot fetch: one line within seconds, not the Hub's retries per check
+        print(f"error: {hub.cannot_fetch(args.model_name_or_path, why)}")
+        return 1
     failed = False
     for path in paths:
         warnings = []

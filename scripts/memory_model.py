@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from recipes import fsdp_wrap
+from recipes import RecipeError, first_line, fsdp_wrap
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GIB = 1024**3
@@ -323,7 +323,10 @@ def main(argv=None) -> None:
                         "state of adapters + head only (needs --model_name_or_path)")
     args = parser.parse_args(argv)
     if args.model_name_or_path:
-        shape = shape_from_model(args.model_name_or_path, args.num_labels, args.lora_r)
+        try:
+            shape = shape_from_model(args.model_name_or_path, args.num_labels, args.lora_r)
+        except (RecipeError, OSError) as err:  # a Hub id it cannot fetch, a folder without config.json: one line
+            raise SystemExit(f"error: {first_line(err)}") from None
     else:
         shape = ModelShape(num_params=int(args.num_params))
     print(format_table(shape, args.num_processes, args.precision, args.strategies, args.optimizer_states))

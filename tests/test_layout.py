@@ -36,6 +36,45 @@ def test_recipes_import_nothing_from_scripts_or_tests():
         assert not bad, f"{path.relative_to(REPO)} imports {bad}"
 
 
+def project_imports(path) -> set[str]:
+    """The project modules `path` imports anywhere in it (a function's own import counts too), as dotted names."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module in ("recipes", "scripts") and node.level == 0:
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}  # from recipes import data
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return {name for name in found if name.split(".")[0] in ("recipes", "scripts")}
+
+
+def test_no_import_circles_in_recipes_or_scripts():
+    """Each module's project imports, function-level ones included, form no circle (issue 40 broke flag_checks <->
+    kernels and bench <-> bench_compile): a module can be read, tested and moved without the ones that need it."""
+    modules = {}
+    for path in (p for p in PY_FILES if p.parts[-2] != "tests" and "tests" not in p.relative_to(REPO).parts):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {name: {m for m in project_imports(path) if m in modules and m != name} for name, path in modules.items()}
+    assert graph["recipes.cls"] and graph["scripts.bench_compile"]  # the reading sees imports
+    state, circles = {}, []
+
+    def visit(name, trail):
+        state[name] = "open"
+        for target in sorted(graph[name]):
+            if state.get(target) == "open":
+                circles.append(trail[trail.index(target):] + [target])
+            elif target not in state:
+                visit(target, trail + [target])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert circles == []
+
+
 def test_fault_variable_is_read_only_by_the_probe():
     readers = sorted(str(p.relative_to(REPO)) for p in (REPO / "recipes").rglob("*.py") if "CLS_FAULT" in p.read_text())
     assert readers == ["recipes/probe.py"]
