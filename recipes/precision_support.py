@@ -5,7 +5,7 @@ Torch 2.13.0 can emulate some bf16 ops on older cards and DeepSpeed 0.19.8 does 
 runs slowly or fails deep inside a kernel; this check stops it at start-up with one line naming the fp16 file to use
 instead: the DeepSpeed JSON's fp16 twin (ds_configs/<name>_fp16.json, made by scripts/make_fp16_configs.py), or
 `--mixed_precision fp16` on the launch line for the configs without DeepSpeed. Without a GPU there is nothing to
-check: the CPU runs bf16 (and refuses fp16, see README.md).
+check: the CPU runs bf16 (fp16 on CPU: docs/tutorials.md).
 """
 from __future__ import annotations
 

