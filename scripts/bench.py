@@ -430,6 +430,13 @@ def device_peak_flops(precision: str, n_gpus: int, threads: int) -> float | None
     return cpu_matmul_flops(torch.bfloat16 if precision == "bf16" else torch.float32, threads)
 
 
+def compute_devices(world: int, effective_batch: int, per_device_batch: int, on_gpus: bool) -> int:
+    """What MFU divides the peak over: the GPUs a run computed on (nn.DataParallel: every GPU from one process), or
+    on CPU its processes, each of which has the threads its peak was measured on (until 2026-11-27 a CPU run counted
+    as one device whatever its processes, which put the 2-process runs' MFU at twice its value, above 100%)."""
+    return effective_batch // per_device_batch if on_gpus else world
+
+
 def cpu_matmul_flops(dtype, threads: int, n: int = 1024, repeats: int = 10) -> float:
     """The best of `repeats` n x n matmuls on `threads` threads: what this CPU reaches on the model's main op."""
     import torch
@@ -547,8 +554,7 @@ def run_one(spec: ModelSpec, name: str, round_: int, profile: Profile, runs_dir:
         if key not in peaks:
             peaks[key] = device_peak_flops(run.precision, n_gpus, run.threads)
         run.model_flops_per_s = model_flops(shape, run.tokens_per_s)
-        # nn.DataParallel computes on every GPU from one process: its devices, not its processes
-        devices = run.effective_batch // profile.per_device_batch if n_gpus else 1
+        devices = compute_devices(run.world, run.effective_batch, profile.per_device_batch, bool(n_gpus))
         run.mfu = run.model_flops_per_s / (peaks[key] * devices) if peaks[key] else None
     return run
 

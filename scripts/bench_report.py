@@ -534,8 +534,15 @@ def rerender(results_json: Path) -> dict:
     for r in results["runs"]:
         if r["status"] == "ok" and not r.get("alternate"):
             metrics = read_jsonl(REPO / r["run_dir"] / "metrics.jsonl")
+            tokens_per_s = r.get("tokens_per_s")
             r.update(throughput(metrics, results["work"][r["model"]]["warmup_steps"]))
             r.update(epoch_figures(metrics))
+            if r.get("model_flops_per_s") and tokens_per_s:  # model FLOP/s are proportional to tokens/s
+                r["model_flops_per_s"] *= r["tokens_per_s"] / tokens_per_s
+        if r["status"] == "ok" and r.get("model_flops_per_s") and results["hardware"]["device"] == "cpu":
+            # MFU over the peak of every process's threads (scripts/bench.py compute_devices)
+            peak = (results.get("peak_flops") or {}).get(f"{r['precision']} x{r['threads']} threads")
+            r["mfu"] = r["model_flops_per_s"] / (peak * r["world"]) if peak else None
     results["ratios"] = ratios(results["runs"])
     results["rerendered"] = dt.datetime.now().isoformat(timespec="seconds")
     return results

@@ -641,3 +641,12 @@ def test_same_process_ratios_leave_out_disturbed_blocks():
     assert got["all_disturbed"] and got["rounds"] == 5 and got["median"] == pytest.approx(1.03)
     assert "every one disturbed, so all kept: not to be trusted" in bench_report.ratio_lines(
         {"ratios": {"tiny": {"recipe_vs_hand_loop_same_process": got}}})[0]
+
+
+def test_mfu_divides_by_every_device_the_run_computed_on():
+    """A 2-process CPU run has two processes' peaks (each measured on its own threads); nn.DataParallel on 4 GPUs
+    computes on 4 GPUs from one process. Counting a CPU run as one device put the 2-process rows above 100%."""
+    assert bench.compute_devices(world=2, effective_batch=32, per_device_batch=16, on_gpus=False) == 2
+    assert bench.compute_devices(world=1, effective_batch=16, per_device_batch=16, on_gpus=False) == 1
+    assert bench.compute_devices(world=1, effective_batch=64, per_device_batch=16, on_gpus=True) == 4
+    assert bench.compute_devices(world=8, effective_batch=128, per_device_batch=16, on_gpus=True) == 8
