@@ -170,3 +170,29 @@ def test_lora_page_quotes_the_latest_records():
     assert f"{paired['mean_difference'] * 100:+.2f} points" in page and f"[{low:+.2f}, {high:+.2f}]" in page
     for path in (lora_path, lr_path):
         assert f"](../results/{path.stem}.md)" in page
+
+
+def heading_anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped (hyphens and underscores kept), spaces
+    to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def test_links_to_a_section_name_a_heading_of_the_page():
+    checked = 0
+    for path in DOCS:
+        for target, anchor in re.findall(r"\]\(([^)#:]*)#([^)]+)\)", path.read_text()):
+            page = (path.parent / target) if target else path
+            prose = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)  # a shell comment is no heading
+            anchors = {heading_anchor(h) for h in re.findall(r"^#{1,6} (.+)$", prose, re.M)}
+            assert anchor in anchors, f"{path.name} links to {target}#{anchor}: no such heading"
+            checked += 1
+    assert checked >= 5
+
+
+def test_make_targets_the_docs_name_exist():
+    targets = set(re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), re.M))
+    named = {(path.name, t) for path in [*DOCS, REPO / "ds_configs" / "README.md"]
+             for t in re.findall(r"`make ([\w-]+)", path.read_text())}
+    assert len(named) > 10 and {(p, t) for p, t in named if t not in targets} == set()

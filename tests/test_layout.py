@@ -50,8 +50,8 @@ def project_imports(path) -> set[str]:
 
 
 def test_no_import_circles_in_recipes_or_scripts():
-    """Each module's project imports, function-level ones included, form no circle (issue 40 broke flag_checks <->
-    kernels and bench <-> bench_compile): a module can be read, tested and moved without the ones that need it."""
+    """Each module's project imports, function-level ones included, form no circle (flag_checks <-> kernels and
+    bench <-> bench_compile were broken): a module can be read, tested and moved without the ones that need it."""
     modules = {}
     for path in (p for p in PY_FILES if p.parts[-2] != "tests" and "tests" not in p.relative_to(REPO).parts):
         parts = path.relative_to(REPO).with_suffix("").parts
