@@ -29,7 +29,7 @@ from recipes import (RecipeError, activation_checkpointing, adapters, calibratio
                      problem, profiling, records, report, schedule, strategy, tasks, tracking)
 from recipes.config import Config, parse_config  # the flags, each documented (recipes/config.py)
 from recipes.metrics import check_scores, compute_metrics, load_metrics
-from recipes.probe import Probe
+from recipes.testing.probe import Probe
 
 
 def build_model(cfg: Config, names: list[str]):

@@ -50,7 +50,7 @@ The headline ratios should stay within 5% of an idle run's, and the report name 
 
 Model-state bytes per rank are measured by recipes/memstats.py after training and compared
 with scripts/memory_model.py's prediction for the same strategy, world size and precision; so are the bytes each
-rank sends per optimizer step (recipes/commstats.py, counted by the probe in steps 3-6, against memory_model's
+rank sends per optimizer step (recipes/testing/commstats.py, counted by the probe in steps 3-6, against memory_model's
 comm_bytes_per_step, the textbook figure; bench_report.COMM_NOTES says why a strategy departs from it).
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ from pathlib import Path
 from typing import Optional
 
 from recipes.launch_checks import visible_gpus
-from recipes.probe import COMM_VARIABLE
+from recipes.testing.probe import COMM_VARIABLE
 from recipes.records import library_versions, read_jsonl
 from recipes.strategy import available_cores
 from scripts import bench_load, memory_model
@@ -123,7 +123,8 @@ class Profile:
     models: list
     steps: int = 60  # optimizer steps of every run: one epoch over steps x effective batch samples
     warmup_steps: int = 10  # first steps left out of throughput (allocation, first gathers, caches); they also hold
-    # the steps whose collectives the probe counts (recipes/probe.py COMM_STEPS, 3-6), slowed by its dispatch mode
+    # the steps whose collectives the probe counts (recipes/testing/probe.py COMM_STEPS, 3-6), slowed by its
+    # dispatch mode
     per_device_batch: int = 16  # micro-batch per GPU (or CPU process); the effective batch scales with the world
     max_world: int = 8  # GPUs a multi-process run uses at most
     eval_samples: Optional[int] = None  # validation examples; None: the whole validation split

@@ -18,7 +18,7 @@ with its own sampler, which with the same seed happens to deal the same batches;
 --block optimizer steps (Baton), --rounds epochs each, and alternate.json gets the seconds of each block of steps of
 each: separate processes on a shared VM differ in speed by up to 40% for the same work, and even one process's epoch
 time drifts by 50% over minutes, so only sides that share the process, the batches and the same few seconds compare.
-The recipe takes its turns through `Probe.step_hook` (recipes/probe.py), the loop and Trainer through `on_step`.
+The recipe takes its turns through `Probe.step_hook` (recipes/testing/probe.py), the loop and Trainer through `on_step`.
 Trainer logs every step to TensorBoard, as the recipe does. The threads share the global RNG, so dropout draws differ
 from a run alone; the batches must not (alternate.json `same_batches` compares their padded sizes step by step).
 """
@@ -250,7 +250,7 @@ def alternate(args, cfg, device, train_ds, eval_ds, collate, names) -> None:
     """The recipe, the loop and Trainer in three threads of this process, taking turns every --block steps, for
     --rounds epochs each; alternate.json: the seconds of each block of steps of each."""
     from recipes.cls import main as recipe_main, parse_config
-    from recipes.probe import Probe
+    from recipes.testing.probe import Probe
 
     out = Path(args.output_dir)
     # The recipe's Accelerator takes its precision from the variable `accelerate launch` would set; without it the

@@ -434,7 +434,8 @@ def render_markdown(results: dict, chart_name: str) -> str:
 def comm_section(results: dict) -> list:
     """Bytes sent per rank per optimizer step, by kind of collective, measured / textbook, and why a run departs."""
     lines = ["## Communication per optimizer step (MiB sent per rank, measured / textbook)", "",
-             "Counted by recipes/commstats.py (every c10d and functional collective, DDP's C++ ones included) in the "
+             "Counted by recipes/testing/commstats.py (every c10d and functional collective, DDP's C++ ones "
+             "included) in the "
              "probe's steps 3-6 without an evaluation; convention: the bytes a rank sends on average with ring and "
              "chain algorithms, all-reduce 2 (n-1)/n x S, all-gather and reduce-scatter (n-1)/n x S (S the whole "
              "tensor), broadcast and reduce (n-1)/n x S. Textbook (scripts/memory_model.py comm_bytes_per_step): "

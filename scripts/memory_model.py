@@ -15,8 +15,8 @@ DDP (Accelerate, also one process): parameters stay fp32 and bf16 is torch.autoc
   frees the casts with the activations, so fp32 or bf16 hold the same 4 B params + 4 B grads + 8 B Adam. Gradients
   exist from backward to `zero_grad(set_to_none=True)`. DDP's reducer also keeps gradient buckets as large as the
   gradients (gradient_as_bucket_view=False) in C++, out of sight of memstats' garbage-collector walk, unless a
-  TorchDispatchMode saw them (the bench's communication counter, recipes/commstats.py): the Python tensor it made
-  for the bucket then lives as long as the bucket (torch keeps a tensor's Python object once it has one).
+  TorchDispatchMode saw them (the bench's communication counter, recipes/testing/commstats.py): the Python tensor it
+  made for the bucket then lives as long as the bucket (torch keeps a tensor's Python object once it has one).
 DeepSpeed ZeRO-2 (DeepSpeedZeroOptimizer): the module is cast to the compute dtype (2 B in bf16, 4 B in fp32) and
   kept whole; the optimizer owns an fp32 clone of this rank's 1/N partition (made even when the model is fp32) and
   Adam's moments of it. Gradients are reduced in the compute dtype (grad_accum_dtype unset), so DeepSpeed keeps no
@@ -274,11 +274,11 @@ FP32_GRADIENTS = ("ddp", "fsdp")
 def comm_bytes_per_step(strategy: str, shape: ModelShape, world: int, precision: str) -> dict:
     """The textbook bytes one rank sends per optimizer step, and their terms: ring all-reduce 2 x psi x (n-1)/n,
     all-gather and reduce-scatter psi x (n-1)/n, psi the bytes of what is sent (parameters in the compute dtype;
-    gradients in fp32 for DDP and FSDP2, in the compute dtype for ZeRO). The factors are recipes/commstats.py's (the
-    measured side), so the two compare. ZeRO is checked in fp32 only: in bf16 DeepSpeed's communication_data_type /
+    gradients in fp32 for DDP and FSDP2, in the compute dtype for ZeRO). The factors are
+    recipes/testing/commstats.py's (the measured side), so the two compare. ZeRO is checked in fp32 only: in bf16 DeepSpeed's communication_data_type /
     grad_accum_dtype may send gradients in fp32. Offload changes where the optimizer runs, not what is communicated
     (measured: the same bytes). Single process (or n = 1): nothing."""
-    from recipes.commstats import ring_factor
+    from recipes.testing.commstats import ring_factor
 
     base = strategy.replace("_offload", "")
     if base not in COMM_TERMS or world <= 1:

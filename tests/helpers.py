@@ -123,7 +123,7 @@ def assert_pretrained_in_and_out(out: Path, folder: Path, dtype=torch.float32) -
     from safetensors.torch import load_file
     from transformers import AutoModelForSequenceClassification
 
-    from recipes.probe import fingerprint
+    from recipes.testing.probe import fingerprint
 
     files = {k: v for k, v in load_file(folder / "model.safetensors").items() if k != "embeddings.position_ids"}
     own = {f"bert.{key}" for key in files} | {"classifier.weight", "classifier.bias"}

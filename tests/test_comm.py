@@ -1,4 +1,4 @@
-"""Communication volume per optimizer step (recipes/commstats.py, counted by the probe with --record_ranks and
+"""Communication volume per optimizer step (recipes/testing/commstats.py, counted by the probe with --record_ranks and
 CLS_COMM=1) against the textbook prediction (scripts/memory_model.py comm_bytes_per_step)."""
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 
 from helpers import PARITY_FLAGS, fp32_launch_args, no_gpu, rank_records, run_recipe
-from recipes import commstats
-from recipes.probe import COMM_STEPS, COMM_VARIABLE, Probe
+from recipes.testing import commstats
+from recipes.testing.probe import COMM_STEPS, COMM_VARIABLE, Probe
 from scripts import memory_model
 
-COUNT = {COMM_VARIABLE: "1"}  # the launches below count their collectives (recipes/probe.py)
+COUNT = {COMM_VARIABLE: "1"}  # the launches below count their collectives (recipes/testing/probe.py)
 
 
 @pytest.mark.parametrize("kind, n, factor", [

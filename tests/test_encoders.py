@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from helpers import REPO, fp32_launch_args, losses, rank_records, read_jsonl, run_recipe
 from recipes import RecipeError, cls, fsdp_wrap
-from recipes.probe import fingerprint
+from recipes.testing.probe import fingerprint
 from scripts import memory_model
 
 # 4 optimizer steps of 2 x 8 samples, a checkpoint at step 2 to resume from.

@@ -21,7 +21,7 @@ from helpers import (ACCELERATE, PYTHON, REPO, TINY_FLAGS, free_port, rank_recor
                      run_recipe)
 from recipes import RecipeError, checkpoint, data, launch_checks, records, strategy
 from recipes.cls import Config, parse_config
-from recipes.probe import Probe
+from recipes.testing.probe import Probe
 from scripts import bench, check_config
 
 

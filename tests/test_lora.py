@@ -242,7 +242,7 @@ def test_resume_on_one_process_keeps_the_frozen_base(reference, runs, cut_pretra
     pretrained files; FSDP2's torch.distributed.checkpoint reshards the whole model state, frozen base included. The
     weights the resumed run starts from (--record_ranks: fingerprints gathered after the load) are the file's, bit
     for bit, and its losses follow the one-process run."""
-    from recipes.probe import fingerprint
+    from recipes.testing.probe import fingerprint
 
     out = tmp_path / "to_one"
     shutil.copytree(runs(config) / "checkpoints" / "step_4", out / "checkpoints" / "step_4")

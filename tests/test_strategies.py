@@ -24,7 +24,7 @@ from helpers import (ACCELERATE, PARITY_FLAGS, PRETRAINED_DATA, REPO, TINY, TINY
                      rank_records, read_jsonl, run_recipe)
 from recipes import cls, strategy
 from recipes.metrics import load_metrics
-from recipes.probe import fingerprint
+from recipes.testing.probe import fingerprint
 
 pytestmark = [pytest.mark.multiproc, no_gpu]  # CPU rehearsal: gloo, FSDP on CPU, MULTI_CPU expected
 

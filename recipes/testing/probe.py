@@ -24,8 +24,8 @@ dtypes the first Linear computed in and the optimizer's master weights and state
 whether it is torch's fused kernel; the
 dtypes FSDP2 accumulates gradients in between the micro-batches of a step; the memory the rank holds
 (recipes/memstats.py); and, with CLS_COMM=1, "comm": the bytes of the collectives of optimizer steps COMM_STEPS
-(recipes/commstats.py), per step and per kind of collective, and the host reads of tensor values in those steps, by
-module.
+(recipes/testing/commstats.py), per step and per kind of collective, and the host reads of tensor values in those
+steps, by module.
 """
 from __future__ import annotations
 
@@ -38,8 +38,9 @@ from pathlib import Path
 
 import torch
 
-from recipes import commstats, fsdp_wrap, longrun, memstats
+from recipes import fsdp_wrap, longrun, memstats
 from recipes.data import SAMPLE_IDS
+from recipes.testing import commstats
 
 FAULT_VARIABLE = "CLS_FAULT"
 FAULTS = ("step", "save", "savefail", "sigterm", "sigusr1", "nan", "wait", "oom")
@@ -166,7 +167,7 @@ class Probe:
         return {"steps": {str(k): v for k, v in self.comm_steps.items()},
                 "comm_bytes_per_step": sum(clean) / len(clean) if clean else None,
                 "convention": "bytes sent per rank: all-reduce 2(n-1)/n S, all-gather / reduce-scatter / broadcast / "
-                              "reduce (n-1)/n S, S the whole tensor (recipes/commstats.py)"}
+                              "reduce (n-1)/n S, S the whole tensor (recipes/testing/commstats.py)"}
 
     def trial(self, micro_batch: int) -> None:
         """Called by --auto_micro_batch's trial of `micro_batch` (recipes/micro_batch.py), after its forward."""

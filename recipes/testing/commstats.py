@@ -1,4 +1,5 @@
-"""For testing only, used by recipes/probe.py with --record_ranks: the bytes of every collective a training step issues.
+"""For testing only, used by the probe (probe.py beside it) with --record_ranks: the bytes of every collective a
+training step issues.
 
 Mechanism: a TorchDispatchMode that sees every op of the c10d library (`torch.ops.c10d.*`, what every
 ProcessGroup method dispatches to, also from C++) and of the functional collectives (`torch.ops._c10d_functional.*`,
