@@ -196,3 +196,44 @@ def test_make_targets_the_docs_name_exist():
     named = {(path.name, t) for path in [*DOCS, REPO / "ds_configs" / "README.md"]
              for t in re.findall(r"`make ([\w-]+)", path.read_text())}
     assert len(named) > 10 and {(p, t) for p, t in named if t not in targets} == set()
+
+
+def newest_record(kind: str) -> tuple[str, dict]:
+    """The newest CPU record of `make <kind>` (scripts/run_record.py: results/<date>_<kind>_cpu_<host>.json)."""
+    path = max((REPO / "results").glob(f"*_{kind}_cpu_*.json"), key=lambda p: p.name)
+    return path.stem, json.loads(path.read_text())
+
+
+def test_demo_and_pairs_figures_equal_their_records():
+    """The accuracy and macro-F1 README.md, README_zh.md and docs/data.md quote for `make demo` and `make pairs` are
+    those of the newest record each wrote, and the page names that record."""
+    pages = {"demo": ["README.md", "README_zh.md"], "pairs": ["docs/data.md"]}
+    for kind, names in pages.items():
+        stem, record = newest_record(kind)
+        assert record["world_size"] == 2 and record["command"] == f"make {kind}"
+        figures = [f"{record['eval'][k]:.4f}" for k in ("accuracy", "f1_macro")]
+        for name in names:
+            text = (REPO / name).read_text()
+            assert all(f in text for f in figures) and f"results/{stem}.json" in text, (name, stem, figures)
+
+
+def test_run_record_keeps_the_last_evaluation_and_refuses_a_run_without_one(tmp_path):
+    import pytest
+
+    from scripts import run_record
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run_config.json").write_text(json.dumps({"world_size": 2, "mixed_precision": "no", "config": {"seed": 42},
+                                                     "n_train_examples": 100, "n_eval_examples": 10}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)))
+    (run / "eval.jsonl").write_text("")
+    with pytest.raises(SystemExit, match="has no evaluation"):
+        run_record.main(["demo", str(run), "--results_dir", str(tmp_path)])
+    (run / "eval.jsonl").write_text("".join(json.dumps({"step": s, "accuracy": a, "f1_macro": a, "n_examples": 10})
+                                            + "\n" for s, a in ((2, 0.5), (3, 0.75))))
+    assert run_record.main(["demo", str(run), "--results_dir", str(tmp_path), "--command", "make demo"]) == 0
+    [path] = tmp_path.glob("*_demo_*.json")
+    record = json.loads(path.read_text())
+    assert record["eval"]["accuracy"] == 0.75 and record["optimizer_steps"] == 3 and record["world_size"] == 2
+    assert record["command"] == "make demo" and record["hardware"]["device"] in path.stem
