@@ -142,7 +142,7 @@ READMES = [p for p in (REPO / "README.md", REPO / "README_zh.md") if p.exists()]
 # The docs pages' blocks are pasted and run the same way: the commands moved there from the README keep running.
 PAGES = READMES + [p for p in sorted((REPO / "docs").glob("*.md")) if "```bash" in p.read_text()]
 PAGE_IDS = [str(p.relative_to(REPO)) for p in PAGES]
-STUBBED = ("accelerate", "make", "python", "sbatch")  # programs the blocks call; the stand-ins record their argv
+STUBBED = ("accelerate", "make", "python", "sbatch", "hf")  # programs the blocks call; stand-ins record their argv
 STUB = """#!{python}
 import json, os, sys
 with open(os.environ["README_ARGV_LOG"], "a") as log:
