@@ -201,13 +201,18 @@ def environment_problems(env, recipe: dict) -> list[str]:
     return problems
 
 
+LAUNCH_FLAGS = ("num_processes", "num_machines", "mixed_precision", "deepspeed_config_file")  # over the YAML's
+
+
 def check_yaml(yaml_path: str, recipe: dict, model_path: str | None = None,
-               warnings: list[str] | None = None) -> list[str]:
+               warnings: list[str] | None = None, launch: dict | None = None) -> list[str]:
     """Problems of an accelerate launch YAML, the DeepSpeed JSON it names and the recipe flags; [] when clean.
 
     `recipe` holds every recipe flag (scripts/check_config.py fills the defaults). The FSDP wrap classes are checked
     against the model at `model_path` when it is given. A problem stops the launch; what does not (fewer processes
     than GPUs) is appended to `warnings` when the caller passes a list, and is not in the returned problems.
+    `launch`: the `accelerate launch` flags of LAUNCH_FLAGS the user will add (None: not given), which take the place
+    of the YAML's values as the launcher's own do (accelerate 1.15.0: a flag given wins over the config file).
     """
     import yaml
     from accelerate.utils import DistributedType, PrecisionType
@@ -220,6 +225,14 @@ def check_yaml(yaml_path: str, recipe: dict, model_path: str | None = None,
         return [f"not valid YAML: {' '.join(str(err).split())}"]
     if not isinstance(data, dict):
         return ["not a YAML mapping of accelerate settings"]
+    launch = {k: v for k, v in (launch or {}).items() if v is not None}
+    if "deepspeed_config_file" in launch and data.get("distributed_type") != "DEEPSPEED":
+        return [f"--deepspeed_config_file goes with a DeepSpeed YAML: with distributed_type "
+                f"{data.get('distributed_type')} accelerate launch does not use it"]
+    data.update({k: v for k, v in launch.items() if k != "deepspeed_config_file"})
+    if "deepspeed_config_file" in launch:
+        data["deepspeed_config"] = {**(data.get("deepspeed_config") or {}),
+                                    "deepspeed_config_file": launch["deepspeed_config_file"]}
     top_keys, fsdp_keys, ds_keys = accelerate_keys()
     fsdp = {k if k.startswith("fsdp") else f"fsdp_{k}": v for k, v in (data.get("fsdp_config") or {}).items()}
     ds_section = data.get("deepspeed_config") or {}

@@ -3,7 +3,15 @@
     python scripts/check_config.py accelerate_configs/zero2.yaml --model_name_or_path artifacts/tiny-roberta
     python scripts/check_config.py --all --model_name_or_path artifacts/tiny-roberta --per_device_train_batch_size 8
 
-Prints "ok: <file>" or one line per problem, and exits with status 1 when there is a problem. Run it from the
+It checks the launch you will make: `--num_processes`, `--num_machines`, `--mixed_precision` and
+`--deepspeed_config_file` take the place of the YAML's values, as they do on the `accelerate launch` line:
+
+    python scripts/check_config.py accelerate_configs/zero2.yaml --num_processes 8 \
+        --deepspeed_config_file ds_configs/zero2_fp16.json --model_name_or_path roberta-base
+
+Prints "ok: <file>" (with the model's class and size when --model_name_or_path is given: its config is loaded, and
+its modules built on the meta device, for every file) or one line per problem, and exits with status 1 when there
+is a problem. A Hub id this machine cannot reach stops it in one line within seconds. Run it from the
 repository root: like `accelerate launch`, it reads `deepspeed_config_file` relative to the current directory.
 Recipe flags are those of recipes/cls.py; the ones not given take its defaults. Without --model_name_or_path the
 FSDP wrap classes are not checked. With --trainer_args (a TrainingArguments JSON) it also names each setting on which
@@ -42,9 +50,9 @@ def recipe_flags(recipe: dict) -> dict:
 
 
 def check_yaml(yaml_path: str, recipe: dict, model_path: str | None = None,
-               warnings: list[str] | None = None) -> list[str]:
+               warnings: list[str] | None = None, launch: dict | None = None) -> list[str]:
     """launch_checks.check_yaml with the recipe defaults for the flags not in `recipe`."""
-    return launch_checks.check_yaml(yaml_path, recipe_flags(recipe), model_path, warnings)
+    return launch_checks.check_yaml(yaml_path, recipe_flags(recipe), model_path, warnings, launch)
 
 
 def check_launch_env(env: dict, recipe: dict, model=None) -> list[str]:
@@ -87,7 +95,8 @@ def autos(config, prefix: str = "") -> list[str]:
 
 
 def resolved_deepspeed_config(yaml_path: str, recipe: dict, model_path: str | None = None,
-                              num_processes: int | None = None) -> tuple[dict, int, list[str]]:
+                              num_processes: int | None = None,
+                              deepspeed_config_file: str | None = None) -> tuple[dict, int, list[str]]:
     """The DeepSpeed JSON of a launch YAML with every "auto" filled as in the recipe's launch, for `num_processes`
     processes over all machines (default: the YAML's num_processes); that process count; notes for a user of plain
     `deepspeed`.
@@ -102,7 +111,7 @@ def resolved_deepspeed_config(yaml_path: str, recipe: dict, model_path: str | No
 
     recipe = recipe_flags(recipe)
     launch = yaml.safe_load(Path(yaml_path).read_text())
-    path = (launch.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    path = deepspeed_config_file or (launch.get("deepspeed_config") or {}).get("deepspeed_config_file")
     if launch.get("distributed_type") != "DEEPSPEED" or not path:
         raise ValueError(f"{yaml_path} is not a DeepSpeed YAML with a deepspeed_config_file: nothing to resolve")
     world = num_processes or launch.get("num_processes") or 1
@@ -159,10 +168,13 @@ def deepspeed_parse(config: dict, world: int):
         return DeepSpeedConfig(copy.deepcopy(config), mpu=DataParallelWorld())
 
 
-def write_resolved(yaml_path: str, out: str, recipe: dict, model_path: str | None, num_processes: int | None) -> int:
-    """Write the resolved DeepSpeed JSON of `yaml_path` to `out`, or say why not (exit status 1)."""
+def write_resolved(yaml_path: str, out: str, recipe: dict, model_path: str | None, num_processes: int | None,
+                   deepspeed_config_file: str | None = None) -> int:
+    """Write the resolved DeepSpeed JSON of `yaml_path` (or of `deepspeed_config_file`, as accelerate launch's flag
+    would put it in the YAML's place) to `out`, or say why not (exit status 1)."""
     try:
-        config, world, notes = resolved_deepspeed_config(yaml_path, recipe, model_path, num_processes)
+        config, world, notes = resolved_deepspeed_config(yaml_path, recipe, model_path, num_processes,
+                                                         deepspeed_config_file)
         deepspeed_parse(config, world)
     except (OSError, ValueError, AssertionError, TypeError) as err:
         print(f"{yaml_path}: cannot resolve: {' '.join(str(err).split())}")
@@ -191,6 +203,18 @@ def fsdp_wrap_notes(yaml_path: str, recipe: dict) -> list[str]:
             f"fsdp_transformer_layer_cls_to_wrap: {','.join(names)}"]
 
 
+def model_note(recipe: dict) -> str:
+    """' (model <name>: <class>, <size> parameters)': the model's config loaded and its modules built on the meta
+    device, as the recipe will build them; '' without --model_name_or_path."""
+    name = recipe.get("model_name_or_path")
+    if not name:
+        return ""
+    loading = {k: recipe[k] for k in ("revision", "cache_dir", "trust_remote_code")}
+    model = launch_checks.cached_skeleton(name, **loading)
+    size = sum(p.numel() for p in model.parameters())
+    return f" (model {name}: {type(model).__name__}, {size / 1e6:.1f} M parameters)"
+
+
 def main(argv=None) -> int:
     from transformers import HfArgumentParser
 
@@ -204,8 +228,14 @@ def main(argv=None) -> int:
                         "writes one) to check against each YAML and its DeepSpeed JSON")
     parser.add_argument("--write_resolved", metavar="PATH", help="write the YAML's DeepSpeed JSON with every "
                         "\"auto\" resolved (one DeepSpeed YAML), for plain `deepspeed`")
-    parser.add_argument("--num_processes", type=int, help="with --write_resolved: processes (GPUs) over all machines "
+    # What `accelerate launch` takes beside --config_file for the same settings: given, it wins over the YAML's value
+    parser.add_argument("--num_processes", type=int, help="as accelerate launch: processes (GPUs) over all machines "
                         "(default: the YAML's num_processes)")
+    parser.add_argument("--num_machines", type=int, help="as accelerate launch: machines (default: the YAML's)")
+    parser.add_argument("--mixed_precision", choices=("no", "fp16", "bf16", "fp8"),
+                        help="as accelerate launch (default: the YAML's)")
+    parser.add_argument("--deepspeed_config_file", help="as accelerate launch: the DeepSpeed JSON of a DeepSpeed YAML "
+                        "(default: the YAML's deepspeed_config_file)")
     parser.set_defaults(model_name_or_path=None)  # no model given: skip the FSDP wrap-class check
     args = parser.parse_args(argv)
     recipe = {f.name: getattr(args, f.name) for f in fields(Config)}
@@ -215,8 +245,6 @@ def main(argv=None) -> int:
         parser.error("give YAML files or --all")
     if args.write_resolved and len(paths) != 1:
         parser.error("--write_resolved takes one YAML")
-    if args.num_processes is not None and (args.num_processes < 1 or not args.write_resolved):
-        parser.error("--num_processes N (N >= 1) goes with --write_resolved")
     why = args.model_name_or_path and hub.unreachable(args.model_name_or_path, args.cache_dir, args.revision)
     if why:  # a Hub id this machine cannot fetch: one line within seconds, not the Hub's retries per check
         print(f"error: {hub.cannot_fetch(args.model_name_or_path, why)}")
@@ -224,17 +252,19 @@ def main(argv=None) -> int:
     failed = False
     for path in paths:
         warnings = []
-        problems = launch_checks.check_yaml(path, recipe, args.model_name_or_path, warnings)
+        problems = launch_checks.check_yaml(path, recipe, args.model_name_or_path, warnings,
+                                            {k: getattr(args, k) for k in launch_checks.LAUNCH_FLAGS})
         if args.trainer_args and not problems:
             problems = trainer_problems(args.trainer_args, path)
         for warning in warnings:
             print(f"{path}: warning: {warning}")
-        print("\n".join(f"{path}: {problem}" for problem in problems) or f"ok: {path}")
+        print("\n".join(f"{path}: {problem}" for problem in problems) or f"ok: {path}{model_note(recipe)}")
         if not problems and args.model_name_or_path:
             print("".join(f"{path}: note: {note}\n" for note in fsdp_wrap_notes(path, recipe)), end="")
         failed |= bool(problems)
     if args.write_resolved and not failed:
-        return write_resolved(paths[0], args.write_resolved, recipe, args.model_name_or_path, args.num_processes)
+        return write_resolved(paths[0], args.write_resolved, recipe, args.model_name_or_path, args.num_processes,
+                              args.deepspeed_config_file)
     return 1 if failed else 0
 
 

@@ -135,7 +135,8 @@ def test_zero_keys_are_known_to_deepspeed():
 def test_cli(capsys, tiny_model):
     assert check_config.main(["--all", "--model_name_or_path", str(tiny_model)]) == 0
     fsdp = "accelerate_configs/fsdp.yaml"  # names no wrap class: the checker says which the recipe picks
-    assert capsys.readouterr().out.splitlines() == [line for p in SHIPPED for line in [f"ok: {p}"] + (
+    loaded = f" (model {tiny_model}: RobertaForSequenceClassification, 1.5 M parameters)"  # for every file
+    assert capsys.readouterr().out.splitlines() == [line for p in SHIPPED for line in [f"ok: {p}{loaded}"] + (
         [f"{fsdp}: note: FSDP shards RobertaLayer one at a time (_no_split_modules); outside this recipe write "
          "fsdp_transformer_layer_cls_to_wrap: RobertaLayer"] if p == fsdp else [])]
     assert check_config.main(["accelerate_configs/ddp.yaml", f"{BAD}/num_processes_zero.yaml",
@@ -144,6 +145,27 @@ def test_cli(capsys, tiny_model):
         "ok: accelerate_configs/ddp.yaml", f"{BAD}/num_processes_zero.yaml: num_processes=0 must be an integer >= 1"]
     with pytest.raises(SystemExit):  # the recipe's flags, unabbreviated: a typo is an error, not a silent match
         check_config.main(["--all", "--per_device_train_batch", "8"])
+
+
+def test_the_launch_flags_take_the_place_of_the_yamls_values(capsys, tmp_path):
+    """--num_processes, --num_machines, --mixed_precision, --deepspeed_config_file: as on the accelerate launch line,
+    each wins over the YAML's value, so the launch checked is the one the user will make."""
+    zero2, ddp = "accelerate_configs/zero2.yaml", "accelerate_configs/ddp.yaml"
+    cases = [([ddp, "--num_processes", "3", "--num_machines", "2"], 1,
+              f"{ddp}: num_processes=3 is not divisible by num_machines=2"),
+             ([ddp, "--num_processes", "0"], 1, f"{ddp}: num_processes=0 must be an integer >= 1"),
+             ([zero2, "--mixed_precision", "bf16"], 1, f"{zero2}: mixed precision set twice: mixed_precision=bf16 "
+              "and ds_configs/zero2.json bf16.enabled; keep it in the JSON only"),
+             ([zero2, "--deepspeed_config_file", "ds_configs/zero2_fp16.json"], 0, f"ok: {zero2}"),
+             ([zero2, "--deepspeed_config_file", str(tmp_path / "none.json")], 1, f"{zero2}: "),
+             ([ddp, "--deepspeed_config_file", "ds_configs/zero2.json"], 1, f"{ddp}: --deepspeed_config_file goes "
+              "with a DeepSpeed YAML: with distributed_type MULTI_GPU accelerate launch does not use it"),
+             ([ddp, "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"], 0, f"ok: {ddp}")]
+    for argv, status, first in cases:
+        assert check_config.main(argv) == status, argv
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].startswith(first) and (len(out) == 1 or status == 1), (argv, out)
+    assert "none.json" in check_config.check_yaml(zero2, {}, launch={"deepspeed_config_file": "none.json"})[0]
 
 
 # ---- inside a launched process: the environment accelerate launch builds from a YAML ----

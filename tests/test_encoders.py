@@ -230,10 +230,11 @@ def test_checker_names_the_wrap_class_to_copy(encoders, capsys, monkeypatch):
 
     monkeypatch.chdir(REPO)
     assert check_config.main(["accelerate_configs/fsdp.yaml", "--model_name_or_path", str(encoders["distilbert"])]) == 0
-    assert capsys.readouterr().out.splitlines() == [
-        "ok: accelerate_configs/fsdp.yaml",
-        "accelerate_configs/fsdp.yaml: note: FSDP shards TransformerBlock one at a time (repeated layers); outside "
-        "this recipe write fsdp_transformer_layer_cls_to_wrap: TransformerBlock"]
+    ok, note = capsys.readouterr().out.splitlines()
+    assert ok.startswith(f"ok: accelerate_configs/fsdp.yaml (model {encoders['distilbert']}: "
+                         "DistilBertForSequenceClassification, ") and ok.endswith(" M parameters)")
+    assert note == ("accelerate_configs/fsdp.yaml: note: FSDP shards TransformerBlock one at a time (repeated "
+                    "layers); outside this recipe write fsdp_transformer_layer_cls_to_wrap: TransformerBlock")
 
 
 def test_loading_flags_reach_every_from_pretrained(encoders, tmp_path, monkeypatch):
