@@ -11,7 +11,10 @@ It checks the launch you will make: `--num_processes`, `--num_machines`, `--mixe
 
 Prints "ok: <file>" (with the model's class and size when --model_name_or_path is given: its config is loaded, and
 its modules built on the meta device, for every file) or one line per problem, and exits with status 1 when there
-is a problem. A Hub id this machine cannot reach stops it in one line within seconds. Run it from the
+is a problem. With a model it also prints the memory one GPU needs: the model state at its peak for the file's
+strategy (scripts/memory_model.py) plus the activations of one micro-batch of --max_length tokens, measured on CPU
+at micro-batches of 1 and 2 and scaled (scripts/activation_memory.py); with --gpu_memory GIB a launch that needs
+more is a problem. A Hub id this machine cannot reach stops it in one line within seconds. Run it from the
 repository root: like `accelerate launch`, it reads `deepspeed_config_file` relative to the current directory.
 Recipe flags are those of recipes/cls.py; the ones not given take its defaults. Without --model_name_or_path the
 FSDP wrap classes are not checked. With --trainer_args (a TrainingArguments JSON) it also names each setting on which
@@ -215,6 +218,58 @@ def model_note(recipe: dict) -> str:
     return f" (model {name}: {type(model).__name__}, {size / 1e6:.1f} M parameters)"
 
 
+def launch_settings(yaml_path: str, launch: dict) -> tuple[str, int, str, dict | None, bool]:
+    """(memory_model strategy, processes, precision fp32|bf16, DeepSpeed JSON or None, FSDP's activation
+    checkpointing) of a YAML that passed the checks, with the launch flags over its values."""
+    import yaml
+
+    data = yaml.safe_load(Path(yaml_path).read_text())
+    world = launch.get("num_processes") or data.get("num_processes") or 1
+    precision = launch.get("mixed_precision") or data.get("mixed_precision") or "no"
+    kind = data.get("distributed_type")
+    if kind == "DEEPSPEED":
+        path = launch.get("deepspeed_config_file") or (data.get("deepspeed_config") or {})["deepspeed_config_file"]
+        ds = json.loads(Path(path).read_text())
+        zero = ds.get("zero_optimization", {})
+        offload = zero.get("offload_optimizer", {}).get("device", "none") != "none"
+        strategy = f"zero{zero.get('stage', 0)}" + ("_offload" if offload and zero.get("stage") in (2, 3) else "")
+        bf16 = (ds.get("bf16") or {}).get("enabled") in (True, "auto") and precision != "fp16"
+        return strategy, world, "bf16" if bf16 else "fp32", ds, False
+    fsdp = data.get("fsdp_config") or {}
+    strategy = {"FSDP": "fsdp", "NO": "single"}.get(kind, "ddp")
+    checkpointing = bool(fsdp.get("fsdp_activation_checkpointing")) if kind == "FSDP" else False
+    return strategy, world, "bf16" if precision == "bf16" else "fp32", None, checkpointing
+
+
+def memory_line(yaml_path: str, recipe: dict, launch: dict, gpu_memory: float | None,
+                activations: dict) -> tuple[str, bool]:
+    """The per-GPU memory of the launch: the model state at its peak (scripts/memory_model.py) and the activations
+    of one micro-batch of --max_length tokens (scripts/activation_memory.py, measured at 1 and 2 and scaled; cached
+    in `activations`); and whether it fits in `gpu_memory` GiB."""
+    from scripts import activation_memory
+
+    strategy, world, precision, ds, fsdp_checkpointing = launch_settings(yaml_path, launch)
+    name, batch, length = recipe["model_name_or_path"], recipe["per_device_train_batch_size"], recipe["max_length"]
+    shape = memory_model.shape_from_model(name)
+    state = memory_model.totals(memory_model.predict(strategy, shape, world, precision, ds_config=ds))["device_peak"]
+    checkpointing = recipe["gradient_checkpointing"] or fsdp_checkpointing
+    key = (checkpointing, precision)
+    if key not in activations:
+        loading = {k: recipe[k] for k in ("revision", "cache_dir", "trust_remote_code")}
+        model = activation_memory.build(name, checkpointing, **loading)
+        activations[key] = activation_memory.scaled_activations(model, batch, length, bf16=precision == "bf16")
+    total = (state + activations[key]) / memory_model.GIB
+    line = (f"per GPU ({strategy}, {world} processes, {precision}): model state {state / memory_model.GIB:.2f} GiB "
+            f"at its peak + activations {activations[key] / memory_model.GIB:.2f} GiB (micro-batch {batch} x "
+            f"{length} tokens, gradient checkpointing {'on' if checkpointing else 'off'}) = {total:.2f} GiB")
+    if gpu_memory is None:
+        return line, True
+    fits = total <= gpu_memory
+    return line + (f", within --gpu_memory {gpu_memory:g}" if fits else
+                   f", more than --gpu_memory {gpu_memory:g}: lower --per_device_train_batch_size (with more "
+                   "--gradient_accumulation_steps), add --gradient_checkpointing, or shard more"), fits
+
+
 def main(argv=None) -> int:
     from transformers import HfArgumentParser
 
@@ -236,6 +291,8 @@ def main(argv=None) -> int:
                         help="as accelerate launch (default: the YAML's)")
     parser.add_argument("--deepspeed_config_file", help="as accelerate launch: the DeepSpeed JSON of a DeepSpeed YAML "
                         "(default: the YAML's deepspeed_config_file)")
+    parser.add_argument("--gpu_memory", type=float, metavar="GIB", help="with --model_name_or_path: the GPU's memory "
+                        "in GiB; a launch whose predicted model state + activations per GPU exceed it is a problem")
     parser.set_defaults(model_name_or_path=None)  # no model given: skip the FSDP wrap-class check
     args = parser.parse_args(argv)
     recipe = {f.name: getattr(args, f.name) for f in fields(Config)}
@@ -249,18 +306,24 @@ def main(argv=None) -> int:
     if why:  # a Hub id this machine cannot fetch: one line within seconds, not the Hub's retries per check
         print(f"error: {hub.cannot_fetch(args.model_name_or_path, why)}")
         return 1
+    launch = {k: getattr(args, k) for k in launch_checks.LAUNCH_FLAGS if getattr(args, k) is not None}
+    activations = {}  # the model's activation bytes per (checkpointing, precision), measured once
     failed = False
     for path in paths:
         warnings = []
-        problems = launch_checks.check_yaml(path, recipe, args.model_name_or_path, warnings,
-                                            {k: getattr(args, k) for k in launch_checks.LAUNCH_FLAGS})
+        problems = launch_checks.check_yaml(path, recipe, args.model_name_or_path, warnings, launch)
         if args.trainer_args and not problems:
             problems = trainer_problems(args.trainer_args, path)
         for warning in warnings:
             print(f"{path}: warning: {warning}")
+        memory = None
+        if not problems and args.model_name_or_path:
+            memory, fits = memory_line(path, recipe, launch, args.gpu_memory, activations)
+            problems += [] if fits else [memory]
         print("\n".join(f"{path}: {problem}" for problem in problems) or f"ok: {path}{model_note(recipe)}")
         if not problems and args.model_name_or_path:
-            print("".join(f"{path}: note: {note}\n" for note in fsdp_wrap_notes(path, recipe)), end="")
+            notes = [*fsdp_wrap_notes(path, recipe), memory]
+            print("".join(f"{path}: note: {note}\n" for note in notes), end="")
         failed |= bool(problems)
     if args.write_resolved and not failed:
         return write_resolved(paths[0], args.write_resolved, recipe, args.model_name_or_path, args.num_processes,

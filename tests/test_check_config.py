@@ -136,9 +136,12 @@ def test_cli(capsys, tiny_model):
     assert check_config.main(["--all", "--model_name_or_path", str(tiny_model)]) == 0
     fsdp = "accelerate_configs/fsdp.yaml"  # names no wrap class: the checker says which the recipe picks
     loaded = f" (model {tiny_model}: RobertaForSequenceClassification, 1.5 M parameters)"  # for every file
-    assert capsys.readouterr().out.splitlines() == [line for p in SHIPPED for line in [f"ok: {p}{loaded}"] + (
+    out = capsys.readouterr().out.splitlines()
+    memory = [line for line in out if ": note: per GPU (" in line]  # one per file (test_memory_line_... below)
+    assert [line for line in out if line not in memory] == [line for p in SHIPPED for line in [f"ok: {p}{loaded}"] + (
         [f"{fsdp}: note: FSDP shards RobertaLayer one at a time (_no_split_modules); outside this recipe write "
          "fsdp_transformer_layer_cls_to_wrap: RobertaLayer"] if p == fsdp else [])]
+    assert [line.split(":")[0] for line in memory] == SHIPPED
     assert check_config.main(["accelerate_configs/ddp.yaml", f"{BAD}/num_processes_zero.yaml",
                               "--per_device_train_batch_size", "8"]) == 1
     assert capsys.readouterr().out.splitlines() == [
@@ -345,3 +348,36 @@ def test_resolved_bucket_sizes_come_from_the_hidden_size(tmp_path, tiny_model):
 def test_write_resolved_refuses_a_yaml_without_deepspeed(tmp_path, capsys):
     assert check_config.main(["accelerate_configs/ddp.yaml", "--write_resolved", str(tmp_path / "ds.json")]) == 1
     assert "is not a DeepSpeed YAML" in capsys.readouterr().out and not (tmp_path / "ds.json").exists()
+
+
+# ---- memory per GPU: model state (scripts/memory_model.py) + activations measured small and scaled ----
+
+def test_each_shipped_yaml_maps_to_its_memory_model_strategy():
+    strategies = {p: check_config.launch_settings(p, {})[:3] for p in SHIPPED}
+    assert {Path(p).stem: s[0] for p, s in strategies.items()} == {
+        "ddp": "ddp", "fsdp": "fsdp", "multinode": "ddp", "single": "single", "zero1": "zero1", "zero2": "zero2",
+        "zero2_multinode": "zero2", "zero2_offload": "zero2_offload", "zero3": "zero3", "zero3_offload": "zero3_offload"}
+    assert strategies["accelerate_configs/zero2.yaml"][1:] == (2, "bf16")
+    assert strategies["accelerate_configs/ddp.yaml"][1:] == (2, "fp32")
+    assert check_config.launch_settings("accelerate_configs/zero2.yaml", {"num_processes": 8})[1] == 8
+
+
+def test_memory_line_is_the_model_state_plus_the_scaled_activations(tiny_model):
+    from scripts import activation_memory
+    from scripts import memory_model as mm
+
+    recipe = check_config.recipe_flags({"model_name_or_path": str(tiny_model), "per_device_train_batch_size": 8,
+                                        "max_length": 64})
+    cache = {}
+    line, fits = check_config.memory_line("accelerate_configs/zero2.yaml", recipe, {"num_processes": 4}, 100.0, cache)
+    # the activations of the whole micro-batch, as scripts/activation_memory.py measures them, within 5%
+    measured = activation_memory.measure(str(tiny_model), 8, 64, False, bf16=True)["activations"]
+    assert abs(cache[False, "bf16"] / measured - 1) <= 0.05, (cache, measured)
+    state = mm.totals(mm.predict("zero2", mm.shape_from_model(str(tiny_model)), 4, "bf16",
+                                 ds_config=json.loads((REPO / "ds_configs" / "zero2.json").read_text())))["device_peak"]
+    assert line.startswith(f"per GPU (zero2, 4 processes, bf16): model state {state / mm.GIB:.2f} GiB at its peak")
+    assert "micro-batch 8 x 64 tokens, gradient checkpointing off" in line and fits
+    line, fits = check_config.memory_line("accelerate_configs/zero2.yaml", recipe, {}, 0.001, cache)
+    assert not fits and "more than --gpu_memory 0.001: lower --per_device_train_batch_size" in line
+    assert check_config.main(["accelerate_configs/zero2.yaml", "--model_name_or_path", str(tiny_model),
+                              "--gpu_memory", "0.001"]) == 1

@@ -230,7 +230,8 @@ def test_checker_names_the_wrap_class_to_copy(encoders, capsys, monkeypatch):
 
     monkeypatch.chdir(REPO)
     assert check_config.main(["accelerate_configs/fsdp.yaml", "--model_name_or_path", str(encoders["distilbert"])]) == 0
-    ok, note = capsys.readouterr().out.splitlines()
+    ok, note, memory = capsys.readouterr().out.splitlines()
+    assert memory.startswith("accelerate_configs/fsdp.yaml: note: per GPU (fsdp, 2 processes, bf16): model state ")
     assert ok.startswith(f"ok: accelerate_configs/fsdp.yaml (model {encoders['distilbert']}: "
                          "DistilBertForSequenceClassification, ") and ok.endswith(" M parameters)")
     assert note == ("accelerate_configs/fsdp.yaml: note: FSDP shards TransformerBlock one at a time (repeated "
