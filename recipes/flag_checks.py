@@ -178,7 +178,7 @@ def check_model_source(cfg):
         config = AutoConfig.from_pretrained(cfg.model_name_or_path, **loading_kwargs(cfg))
     except (OSError, ValueError) as err:
         if path.exists():
-            raise RecipeError(f"cannot read model {path}: {str(err).strip().splitlines()[0]}") from None
+            raise RecipeError(f"cannot read model {path}: {first_line(err)}") from None
         why = hub.OFFLINE if hub.offline() else hub.NOT_SERVED
         raise RecipeError(hub.cannot_fetch(cfg.model_name_or_path, why)) from None
     if path.is_dir() and not cfg.random_init:

@@ -15,8 +15,6 @@ from urllib.parse import urlparse
 
 PROBE_TIMEOUT_S = 3.0  # one TCP connection to the Hub's host: well under a second where the Hub is reachable
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
-
-
 # Why a Hub id failed where `unreachable` did not decide it (offline mode, a proxy, the Hub's own answer)
 NOT_SERVED = ("the Hugging Face Hub did not serve it (no such model, a gated or private one without a token, or no "
               "network)")

@@ -209,8 +209,8 @@ def _varlen_kernel():
 
 
 # Used for a packed row on CUDA in fp16/bf16 without attention dropout. Looked up on first use, not at import: in
-# torch 2.13 importing torch.nn.attention.varlen imports torch._dynamo (1.9 s here), which a run without a packed
-# CUDA row does not need.
+# torch 2.13 importing torch.nn.attention.varlen imports torch._dynamo (1.9 s here), which `import recipes.cls` need
+# not pay (a run imports dynamo later through the model's transformers module anyway: docs/speed.md).
 _VARLEN = ...  # not looked up yet
 
 

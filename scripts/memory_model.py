@@ -275,8 +275,8 @@ def comm_bytes_per_step(strategy: str, shape: ModelShape, world: int, precision:
     """The textbook bytes one rank sends per optimizer step, and their terms: ring all-reduce 2 x psi x (n-1)/n,
     all-gather and reduce-scatter psi x (n-1)/n, psi the bytes of what is sent (parameters in the compute dtype;
     gradients in fp32 for DDP and FSDP2, in the compute dtype for ZeRO). The factors are
-    recipes/testing/commstats.py's (the measured side), so the two compare. ZeRO is checked in fp32 only: in bf16 DeepSpeed's communication_data_type /
-    grad_accum_dtype may send gradients in fp32. Offload changes where the optimizer runs, not what is communicated
+    recipes/testing/commstats.py's (the measured side), so the two compare. ZeRO is checked in fp32 only: in bf16
+    DeepSpeed's communication_data_type / grad_accum_dtype may send gradients in fp32. Offload changes where the optimizer runs, not what is communicated
     (measured: the same bytes). Single process (or n = 1): nothing."""
     from recipes.testing.commstats import ring_factor
 
