@@ -356,7 +356,8 @@ def test_each_shipped_yaml_maps_to_its_memory_model_strategy():
     strategies = {p: check_config.launch_settings(p, {})[:3] for p in SHIPPED}
     assert {Path(p).stem: s[0] for p, s in strategies.items()} == {
         "ddp": "ddp", "fsdp": "fsdp", "multinode": "ddp", "single": "single", "zero1": "zero1", "zero2": "zero2",
-        "zero2_multinode": "zero2", "zero2_offload": "zero2_offload", "zero3": "zero3", "zero3_offload": "zero3_offload"}
+        "zero2_multinode": "zero2", "zero2_offload": "zero2_offload", "zero3": "zero3",
+        "zero3_offload": "zero3_offload"}
     assert strategies["accelerate_configs/zero2.yaml"][1:] == (2, "bf16")
     assert strategies["accelerate_configs/ddp.yaml"][1:] == (2, "fp32")
     assert check_config.launch_settings("accelerate_configs/zero2.yaml", {"num_processes": 8})[1] == 8

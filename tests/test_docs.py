@@ -237,3 +237,25 @@ def test_run_record_keeps_the_last_evaluation_and_refuses_a_run_without_one(tmp_
     record = json.loads(path.read_text())
     assert record["eval"]["accuracy"] == 0.75 and record["optimizer_steps"] == 3 and record["world_size"] == 2
     assert record["command"] == "make demo" and record["hardware"]["device"] in path.stem
+
+
+# Flags the docs give to other programs than the recipe, accelerate launch and scripts/: each with its program.
+OTHER_PROGRAMS = {"--bf16": "TrainingArguments", "--ddp_backend": "TrainingArguments",
+                  "--deepspeed": "TrainingArguments", "--use_cpu": "TrainingArguments", "--deepspeed_config": "deepspeed", "--force-reinstall": "pip",
+                  "--index-url": "pip", "--local-dir": "hf download", "--nproc_per_node": "torchrun",
+                  "--rdzv-endpoint": "torchrun", "--requeue": "sbatch", "--signal": "sbatch"}
+
+
+def test_every_flag_the_docs_name_exists():
+    """A flag in README.md, docs/ or ds_configs/README.md is the recipe's (recipes/config.py), accelerate launch's, a
+    script's of scripts/, or one of OTHER_PROGRAMS: a renamed or removed flag cannot stay in the docs."""
+    from accelerate.commands.launch import launch_command_parser
+
+    parsers = [config.build_parser(), launch_command_parser()]
+    known = {s for parser in parsers for action in parser._actions for s in action.option_strings}
+    for path in [*(REPO / "scripts").glob("*.py"), REPO / "scripts" / "slurm_multinode.sh"]:
+        known |= set(re.findall(r"[\"'](--[a-z][a-z0-9_-]*)[\"']", path.read_text()))
+    named = {(path.name, flag) for path in [*DOCS, REPO / "ds_configs" / "README.md"]
+             for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]*)", path.read_text())}
+    assert len(named) > 100
+    assert sorted((page, flag) for page, flag in named if flag not in known and flag not in OTHER_PROGRAMS) == []
