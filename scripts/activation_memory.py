@@ -106,12 +106,32 @@ def main(argv=None) -> None:
     parser.add_argument("--model_name_or_path", default="artifacts/roberta-base-shape")
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--seq_len", type=int, default=128)
+    parser.add_argument("--record", action="store_true", help="also write results/<date>_activation_memory_<device>_"
+                        "<host>.json, the record the figures of docs/tutorials.md are checked against")
     args = parser.parse_args(argv)
+    measured = {}
     for checkpointing in (False, True):
-        r = measure(args.model_name_or_path, args.batch_size, args.seq_len, checkpointing)
+        r = measured["on" if checkpointing else "off"] = measure(args.model_name_or_path, args.batch_size,
+                                                                 args.seq_len, checkpointing)
         print(f"{args.model_name_or_path} batch {args.batch_size} x {args.seq_len} tokens, gradient checkpointing "
               f"{'on ' if checkpointing else 'off'}: activations {r['activations'] / MIB:.1f} MiB, "
               f"peak forward+backward {r['peak'] / MIB:.1f} MiB, loss {r['loss']:.6f}")
+    if args.record:
+        import datetime as dt
+        import json
+        from pathlib import Path
+
+        from recipes.records import library_versions
+        from scripts.bench import hardware
+        from scripts.bench_report import slug
+
+        hw = hardware()
+        path = (Path(__file__).resolve().parent.parent / "results" /
+                f"{dt.date.today()}_activation_memory_{slug(hw['device'])}_{slug(hw['host'])}.json")
+        path.write_text(json.dumps({"date": str(dt.date.today()), "model": args.model_name_or_path,
+                                    "batch_size": args.batch_size, "seq_len": args.seq_len, **measured,
+                                    "hardware": hw, "versions": library_versions()}, indent=2) + "\n")
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

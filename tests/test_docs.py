@@ -259,3 +259,15 @@ def test_every_flag_the_docs_name_exists():
              for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]*)", path.read_text())}
     assert len(named) > 100
     assert sorted((page, flag) for page, flag in named if flag not in known and flag not in OTHER_PROGRAMS) == []
+
+
+def test_activation_memory_figures_equal_their_record():
+    """docs/tutorials.md's activation and peak MiB with and without checkpointing are those of the newest
+    `scripts/activation_memory.py --record` file, which the page names."""
+    stem, record = newest_record("activation_memory")
+    text = (REPO / "docs" / "tutorials.md").read_text()
+    mib = 1024**2
+    figures = [f"{record[side][key] / mib:.1f} MiB" if key == "activations" else f"{record[side][key] / mib:.1f}"
+               for side in ("off", "on") for key in ("activations", "peak")]
+    assert record["batch_size"] == 16 and record["seq_len"] == 128 and f"results/{stem}.json" in text
+    assert all(f in " ".join(text.split()) for f in figures), figures
