@@ -13,8 +13,8 @@ Prints "ok: <file>" (with the model's class and size when --model_name_or_path i
 its modules built on the meta device, for every file) or one line per problem, and exits with status 1 when there
 is a problem. With a model it also prints the memory one GPU needs: the model state at its peak for the file's
 strategy (scripts/memory_model.py) plus the activations of one micro-batch of --max_length tokens, measured on CPU
-at micro-batches of 1 and 2 and scaled (scripts/activation_memory.py); with --gpu_memory GIB a launch that needs
-more is a problem. A Hub id this machine cannot reach stops it in one line within seconds. Run it from the
+in fp32 at micro-batches of 1 and 2 and scaled (scripts/activation_memory.py); with --gpu_memory GIB a launch that
+needs more is a problem. A Hub id this machine cannot reach stops it in one line within seconds. Run it from the
 repository root: like `accelerate launch`, it reads `deepspeed_config_file` relative to the current directory.
 Recipe flags are those of recipes/cls.py; the ones not given take its defaults. Without --model_name_or_path the
 FSDP wrap classes are not checked. With --trainer_args (a TrainingArguments JSON) it also names each setting on which
@@ -244,8 +244,8 @@ def launch_settings(yaml_path: str, launch: dict) -> tuple[str, int, str, dict |
 def memory_line(yaml_path: str, recipe: dict, launch: dict, gpu_memory: float | None,
                 activations: dict) -> tuple[str, bool]:
     """The per-GPU memory of the launch: the model state at its peak (scripts/memory_model.py) and the activations
-    of one micro-batch of --max_length tokens (scripts/activation_memory.py, measured at 1 and 2 and scaled; cached
-    in `activations`); and whether it fits in `gpu_memory` GiB."""
+    of one micro-batch of --max_length tokens (scripts/activation_memory.py, measured in fp32 at 1 and 2 and scaled;
+    cached in `activations` by gradient checkpointing); and whether it fits in `gpu_memory` GiB."""
     from scripts import activation_memory
 
     strategy, world, precision, ds, fsdp_checkpointing = launch_settings(yaml_path, launch)
@@ -253,15 +253,17 @@ def memory_line(yaml_path: str, recipe: dict, launch: dict, gpu_memory: float | 
     shape = memory_model.shape_from_model(name)
     state = memory_model.totals(memory_model.predict(strategy, shape, world, precision, ds_config=ds))["device_peak"]
     checkpointing = recipe["gradient_checkpointing"] or fsdp_checkpointing
-    key = (checkpointing, precision)
-    if key not in activations:
+    if checkpointing not in activations:
+        # Measured in fp32 whatever the launch's precision: bf16 autocast on a CPU without bf16 matmuls took over 5
+        # minutes for roberta-large here, fp32 29 s in all. A bf16 run keeps its matmul outputs in half the bytes.
         loading = {k: recipe[k] for k in ("revision", "cache_dir", "trust_remote_code")}
         model = activation_memory.build(name, checkpointing, **loading)
-        activations[key] = activation_memory.scaled_activations(model, batch, length, bf16=precision == "bf16")
-    total = (state + activations[key]) / memory_model.GIB
+        activations[checkpointing] = activation_memory.scaled_activations(model, batch, length)
+    total = (state + activations[checkpointing]) / memory_model.GIB
     line = (f"per GPU ({strategy}, {world} processes, {precision}): model state {state / memory_model.GIB:.2f} GiB "
-            f"at its peak + activations {activations[key] / memory_model.GIB:.2f} GiB (micro-batch {batch} x "
-            f"{length} tokens, gradient checkpointing {'on' if checkpointing else 'off'}) = {total:.2f} GiB")
+            f"at its peak + activations {activations[checkpointing] / memory_model.GIB:.2f} GiB (micro-batch "
+            f"{batch} x {length} tokens, gradient checkpointing {'on' if checkpointing else 'off'}, measured in fp32"
+            f"{': bf16 keeps less' if precision == 'bf16' else ''}) = {total:.2f} GiB")
     if gpu_memory is None:
         return line, True
     fits = total <= gpu_memory
