@@ -22,7 +22,9 @@ OFFLINE = "offline mode is on (HF_HUB_OFFLINE=1) and the Hub cache does not hold
 
 
 def offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    # huggingface_hub's own reading of the switch (constants._is_true): 1, ON, YES, TRUE in any case; read now, not
+    # at import as its constant is, so that a test or a launcher that sets it later is seen.
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
 
 
 def cached(name: str, cache_dir=None, revision=None) -> bool:

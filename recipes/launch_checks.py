@@ -204,6 +204,16 @@ def environment_problems(env, recipe: dict) -> list[str]:
 LAUNCH_FLAGS = ("num_processes", "num_machines", "mixed_precision", "deepspeed_config_file")  # over the YAML's
 
 
+def with_launch_flags(data: dict, launch: dict) -> dict:
+    """A launch YAML's settings with the LAUNCH_FLAGS given (not None) in place of its own values."""
+    launch = {k: v for k, v in launch.items() if v is not None}
+    data = {**data, **{k: v for k, v in launch.items() if k != "deepspeed_config_file"}}
+    if "deepspeed_config_file" in launch:
+        data["deepspeed_config"] = {**(data.get("deepspeed_config") or {}),
+                                    "deepspeed_config_file": launch["deepspeed_config_file"]}
+    return data
+
+
 def check_yaml(yaml_path: str, recipe: dict, model_path: str | None = None,
                warnings: list[str] | None = None, launch: dict | None = None) -> list[str]:
     """Problems of an accelerate launch YAML, the DeepSpeed JSON it names and the recipe flags; [] when clean.
@@ -229,10 +239,7 @@ def check_yaml(yaml_path: str, recipe: dict, model_path: str | None = None,
     if "deepspeed_config_file" in launch and data.get("distributed_type") != "DEEPSPEED":
         return [f"--deepspeed_config_file goes with a DeepSpeed YAML: with distributed_type "
                 f"{data.get('distributed_type')} accelerate launch does not use it"]
-    data.update({k: v for k, v in launch.items() if k != "deepspeed_config_file"})
-    if "deepspeed_config_file" in launch:
-        data["deepspeed_config"] = {**(data.get("deepspeed_config") or {}),
-                                    "deepspeed_config_file": launch["deepspeed_config_file"]}
+    data = with_launch_flags(data, launch)
     top_keys, fsdp_keys, ds_keys = accelerate_keys()
     fsdp = {k if k.startswith("fsdp") else f"fsdp_{k}": v for k, v in (data.get("fsdp_config") or {}).items()}
     ds_section = data.get("deepspeed_config") or {}

@@ -18,7 +18,7 @@ from pathlib import Path
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 from accelerate.utils import LoggerType
 
-from recipes import RecipeError, first_line, records, report
+from recipes import RecipeError, first_line, hub, records, report
 from recipes.metrics import AVAILABLE
 
 # The names Accelerate 1.15.0's `log_with` takes, besides "all" (every installed tracker); "none" logs nowhere.
@@ -90,11 +90,6 @@ def hub_token(cfg):
     return cfg.hub_token or get_token()
 
 
-def offline() -> bool:
-    # huggingface_hub's own reading of the switch (constants._is_true): 1, ON, YES, TRUE in any case.
-    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
-
-
 def hub_problem(cfg):
     """Why --push_to_hub could not upload at the end, asked of the Hub now (None: it can). Every rank asks, as every
     rank loads the model config: each must stop alike, since a rank left behind would wait at its first collective."""
@@ -106,7 +101,7 @@ def hub_problem(cfg):
     token = hub_token(cfg)
     if not token:
         return "--push_to_hub needs a Hub token: --hub_token, HF_TOKEN, or a login stored by `hf auth login`"
-    if offline():
+    if hub.offline():
         return "--push_to_hub: the Hugging Face Hub is unreachable, offline mode is on (HF_HUB_OFFLINE=1)"
     try:
         HfApi(token=token).whoami()

@@ -119,15 +119,13 @@ def main(argv=None) -> None:
     if args.record:
         import datetime as dt
         import json
-        from pathlib import Path
 
         from recipes.records import library_versions
         from scripts.bench import hardware
-        from scripts.bench_report import slug
+        from scripts.run_record import results_path
 
         hw = hardware()
-        path = (Path(__file__).resolve().parent.parent / "results" /
-                f"{dt.date.today()}_activation_memory_{slug(hw['device'])}_{slug(hw['host'])}.json")
+        path = results_path("activation_memory", hw)
         path.write_text(json.dumps({"date": str(dt.date.today()), "model": args.model_name_or_path,
                                     "batch_size": args.batch_size, "seq_len": args.seq_len, **measured,
                                     "hardware": hw, "versions": library_versions()}, indent=2) + "\n")

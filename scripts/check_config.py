@@ -223,13 +223,11 @@ def launch_settings(yaml_path: str, launch: dict) -> tuple[str, int, str, dict |
     checkpointing) of a YAML that passed the checks, with the launch flags over its values."""
     import yaml
 
-    data = yaml.safe_load(Path(yaml_path).read_text())
-    world = launch.get("num_processes") or data.get("num_processes") or 1
-    precision = launch.get("mixed_precision") or data.get("mixed_precision") or "no"
+    data = launch_checks.with_launch_flags(yaml.safe_load(Path(yaml_path).read_text()), launch)
+    world, precision = data.get("num_processes") or 1, data.get("mixed_precision") or "no"
     kind = data.get("distributed_type")
     if kind == "DEEPSPEED":
-        path = launch.get("deepspeed_config_file") or (data.get("deepspeed_config") or {})["deepspeed_config_file"]
-        ds = json.loads(Path(path).read_text())
+        ds = json.loads(Path(data["deepspeed_config"]["deepspeed_config_file"]).read_text())
         zero = ds.get("zero_optimization", {})
         offload = zero.get("offload_optimizer", {}).get("device", "none") != "none"
         strategy = f"zero{zero.get('stage', 0)}" + ("_offload" if offload and zero.get("stage") in (2, 3) else "")

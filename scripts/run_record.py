@@ -15,10 +15,13 @@ import sys
 from pathlib import Path
 
 from recipes.records import library_versions, read_jsonl
-from scripts.bench import hardware
+from scripts.bench import REPO, hardware
 from scripts.bench_report import slug
 
-REPO = Path(__file__).resolve().parent.parent
+
+def results_path(kind: str, hw: dict, results_dir: Path = REPO / "results") -> Path:
+    """results/<date>_<kind>_<device>_<host>.json, the name the docs test looks records up by."""
+    return Path(results_dir) / f"{dt.date.today()}_{kind}_{slug(hw['device'])}_{slug(hw['host'])}.json"
 
 
 def record(kind: str, run_dir: Path, command: str) -> dict:
@@ -42,8 +45,7 @@ def main(argv=None) -> int:
     parser.add_argument("--results_dir", default=str(REPO / "results"))
     args = parser.parse_args(argv)
     result = record(args.kind, Path(args.run_dir), args.command)
-    hw = result["hardware"]
-    path = Path(args.results_dir) / f"{result['date']}_{args.kind}_{slug(hw['device'])}_{slug(hw['host'])}.json"
+    path = results_path(args.kind, result["hardware"], args.results_dir)
     path.write_text(json.dumps(result, indent=2) + "\n")
     scores = ", ".join(f"{k} {v:.4f}" for k, v in result["eval"].items() if k in ("accuracy", "f1_macro"))
     print(f"wrote {path}: {scores} on {result['eval']['n_examples']} examples after {result['optimizer_steps']} steps")
