@@ -271,3 +271,40 @@ def test_activation_memory_figures_equal_their_record():
                for side in ("off", "on") for key in ("activations", "peak")]
     assert record["batch_size"] == 16 and record["seq_len"] == 128 and f"results/{stem}.json" in text
     assert all(f in " ".join(text.split()) for f in figures), figures
+
+
+def test_deepspeed_figures_equal_their_record():
+    """docs/tutorials.md's ZeRO-1 measured / predicted in bf16 (as shipped, and with fp32 gradient accumulation) and
+    ds_configs/README.md's host reads per optimizer step ("Host syncs") are those of the newest
+    `python scripts/deepspeed_record.py` record, which both pages name; the fp32 figure beside them is `make bench`'s."""
+    stem, record = newest_record("deepspeed")
+    runs = record["runs"]
+    assert record["world_size"] == 2 and record["precision"] == "bf16"
+    assert record["command"].startswith("python scripts/deepspeed_record.py")
+    # what ran, as rank 0 recorded it: the overflow check off and on, BF16_Optimizer under fp32 accumulation
+    assert [runs[name]["optimizer"]["check_grad_overflow"] for name in ("zero2", "zero2_overflow_check")] == [False, True]
+    assert runs["zero1_fp32_accum"]["optimizer"]["chain"][1] == "BF16_Optimizer"
+
+    tutorials = " ".join((REPO / "docs" / "tutorials.md").read_text().split())
+    fp32 = latest_results()[1]["ratios"]["tiny"]["memory_measured_vs_predicted"]["zero1"]
+    bf16, accum = (f"{runs[name]['memory']['ratio']:.3f}" for name in ("zero1", "zero1_fp32_accum"))
+    assert (f"{fp32:.3f} fp32 (`make bench`), {bf16} bf16, and {accum} bf16 with "
+            '`"data_types": {"grad_accum_dtype": "fp32"}`') in tutorials
+    assert f"results/{stem}.json" in tutorials
+
+    def deepspeed_reads(name: str) -> int:
+        return sum(n for module, n in runs[name]["host_reads_per_step"].items() if module.startswith("deepspeed."))
+
+    [forward] = {run["host_reads_per_step"]["transformers.masking_utils"] for run in runs.values()}
+    section = (REPO / "ds_configs" / "README.md").read_text().split("## Host syncs", 1)[1].split("\n## ", 1)[0]
+    section = " ".join(section.split())
+    for fragment in (f"DeepSpeed {record['versions']['deepspeed']} makes these per optimizer step",
+                     f"results/{stem}.json",
+                     f"ZeRO-2 go from {deepspeed_reads('zero2_overflow_check')} to {deepspeed_reads('zero2')} with "
+                     "`check_grad_overflow: false`",
+                     f"ZeRO-1 makes {deepspeed_reads('zero1')} and its BF16_Optimizer path (`grad_accum_dtype: fp32`) "
+                     f"{deepspeed_reads('zero1_fp32_accum')}, ZeRO-3 {deepspeed_reads('zero3')}, ZeRO-2 offload "
+                     f"{deepspeed_reads('zero2_offload')} (",
+                     f"forward adds {forward} (transformers {record['versions']['transformers']}'s attention-mask "
+                     "check, `masking_utils`)"):
+        assert fragment in section, fragment
