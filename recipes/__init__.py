@@ -1,6 +1,8 @@
 """Accelerate / DeepSpeed recipes for fine-tuning RoBERTa-style encoders on text classification.
 
-`recipes/cls.py` is the recipe; the modules beside it each hold one concern (docs/layout.md lists them).
+`recipes/cls.py` is the recipe; beside it `config.py` (the flags) and `flag_checks.py` (their values), and one
+package per concern: checks/, inputs/, model/, training/, checkpoints/, outputs/, metrics/, testing/
+(docs/layout.md lists every file).
 """
 
 

@@ -7,7 +7,7 @@ The strategy (DDP, FSDP, DeepSpeed ZeRO-2/3, offload, bf16) comes from the launc
 `python recipes/cls.py --data_parallel` runs plain `nn.DataParallel` over the visible GPUs in one process.
 Output contract (in --output_dir): run_config.json, metrics.jsonl, eval.jsonl, tracker records (--report_to),
 final/ with its model card (README.md), best/, checkpoints/ (with --checkpointing_steps or on a preemption: exit
-status 3, see recipes/longrun.py). The flags are recipes/config.py's Config.
+status 3, see recipes/checkpoints/longrun.py). The flags are recipes/config.py's Config.
 """
 from __future__ import annotations
 
@@ -24,23 +24,27 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
-from recipes import (RecipeError, activation_checkpointing, adapters, calibration, checkpoint, compilation, contract,
-                     data, elastic, flag_checks, kernels, launch_checks, longrun, micro_batch, padding_free, predict,
-                     problem, profiling, records, report, schedule, strategy, tasks, tracking)
+from recipes import RecipeError
+from recipes.checkpoints import checkpoint, contract, elastic, longrun
+from recipes.checks import launch_checks
+from recipes.inputs import data, problem, tasks
+from recipes.model import activation_checkpointing, adapters, compilation, kernels, padding_free, source
+from recipes.outputs import calibration, predict, profiling, records, report, tracking
+from recipes.training import micro_batch, schedule, strategy
 from recipes.config import Config, parse_config  # the flags, each documented (recipes/config.py)
 from recipes.metrics import check_scores, compute_metrics, load_metrics
 from recipes.testing.probe import Probe
 
 
 def build_model(cfg: Config, names: list[str]):
-    labels, hub = problem.hf_labels_config(cfg.problem_type, names), flag_checks.loading_kwargs(cfg)
+    labels, hub = problem.hf_labels_config(cfg.problem_type, names), source.loading_kwargs(cfg)
     attention = kernels.model_attention(cfg)  # --attn_implementation; by default transformers' (sdpa where it can)
     if cfg.random_init:
         config = AutoConfig.from_pretrained(cfg.model_name_or_path, **labels, **hub)
         with kernels.attention_refused(cfg):
             return padding_free.apply(cfg, AutoModelForSequenceClassification.from_config(
                 config, trust_remote_code=cfg.trust_remote_code, **attention))  # --padding_free: per-sequence attention
-    with flag_checks.mismatched_sizes_refused(cfg), kernels.attention_refused(cfg):
+    with source.mismatched_sizes_refused(cfg), kernels.attention_refused(cfg):
         model = AutoModelForSequenceClassification.from_pretrained(
             cfg.model_name_or_path, **labels, **hub, **attention, ignore_mismatched_sizes=cfg.ignore_mismatched_sizes)
     model = padding_free.apply(cfg, strategy.drop_unused_weight_renamings(model))
@@ -219,16 +223,16 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
 
 
 def main(cfg: Config) -> dict:
-    longrun.install_signal_handlers()  # a stop signal from here on ends the run at a checkpoint (recipes/longrun.py)
+    longrun.install_signal_handlers()  # a stop signal from here on ends the run at a checkpoint (checkpoints/longrun.py)
     tracking.check_startup(cfg)  # trackers installed, Hub token and Hub reachable: before any work
-    flag_checks.check_model_source(cfg)  # before any process group: a bad model path fails alike on every rank
+    source.check_model_source(cfg)  # before any process group: a bad model path fails alike on every rank
     accelerator = strategy.make_accelerator(cfg)
     out = Path(cfg.output_dir)
     checkpoint.check_shared_output_dir(accelerator, out)
     start = checkpoint.find_checkpoint(cfg, accelerator.num_processes)
     probe = Probe.for_run(cfg, accelerator.process_index)
     set_seed(cfg.seed)
-    tokenizer = flag_checks.load_tokenizer(cfg)
+    tokenizer = source.load_tokenizer(cfg)
     failure = None
     with data.cache_writers_first(cfg, accelerator):  # files/Hub: rank 0 writes the dataset cache, then the others
         try:  # raised after the context: rank 0 failing inside it would leave the others waiting at its barrier
@@ -314,7 +318,7 @@ def main(cfg: Config) -> dict:
     if predict_ds is not None:  # multi-label: at the stored or --calibrate thresholds per label, if any
         predict.write_predictions(cfg, accelerator, model, predict_ds, tokenizer, names, out / "predictions.jsonl",
                                   thresholds)
-    if accelerator.is_main_process:  # <output_dir>/eval_report/ (recipes/report.py), --calibrate into final/
+    if accelerator.is_main_process:  # <output_dir>/eval_report/ (recipes/outputs/report.py), --calibrate into final/
         if cfg.eval_report:
             report.write(cfg, out, held, what, names, say=accelerator.print)
         calibration.calibrate(cfg, out, held, what, names, thresholds, say=accelerator.print)

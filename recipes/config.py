@@ -1,7 +1,7 @@
 """The recipe's flags: one typed dataclass, each field documented on its line, parsed with HfArgumentParser; an unknown
 or misspelt flag is an error, and every value is checked before any work (recipes/flag_checks.py).
 
-`python recipes/cls.py --help` prints them. A --task_name fills the data flags from recipes/tasks.py.
+`python recipes/cls.py --help` prints them. A --task_name fills the data flags from recipes/inputs/tasks.py.
 """
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from typing import Optional
 
 from transformers import HfArgumentParser
 
-from recipes import RecipeError, flag_checks, tasks, tracking
+from recipes import RecipeError, flag_checks
+from recipes.inputs import tasks
+from recipes.outputs import tracking
 
 
 @dataclass
@@ -29,7 +31,7 @@ class Config:
     train_file: Optional[str] = field(default=None, metadata={"help": "local .csv/.json/.jsonl training file"})
     validation_file: Optional[str] = field(default=None, metadata={"help": "local validation file (same format)"})
     task_name: Optional[str] = field(default=None, metadata={
-        "help": "a GLUE/CLUE task (recipes/tasks.py): sets data flags"})
+        "help": "a GLUE/CLUE task (recipes/inputs/tasks.py): sets data flags"})
     text_column: str = field(default="text", metadata={"help": "column holding the text"})
     text_pair_column: Optional[str] = field(default=None, metadata={"help": "column of the second text of a pair"})
     truncation: str = field(default="longest_first", metadata={
@@ -46,12 +48,12 @@ class Config:
                 "name); evaluation keeps the plain loss"})
     eval_report: bool = field(default=True, metadata={
         "help": "at the end, <output_dir>/eval_report/: per-class scores, confusion matrix, calibration "
-                "(recipes/report.py)"})
+                "(recipes/outputs/report.py)"})
     calibrate: Optional[str] = field(default=None, metadata={
         "help": "temperature (single-label): fit one temperature on half the validation set (by --seed), report "
                 "the other half's ECE before/after, fold it into final/'s classifier; thresholds (multi-label): each "
                 "label's best-F1 threshold, stored in final/config.json and used by predictions "
-                "(recipes/calibration.py)"})
+                "(recipes/outputs/calibration.py)"})
     multi_label_threshold: float = field(default=0.5, metadata={
         "help": "multi-label: a label is predicted at p >= this"})
     validation_split: float = field(default=0.1, metadata={"help": "held-out fraction when there is no validation set"})
@@ -80,11 +82,11 @@ class Config:
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     auto_micro_batch: bool = field(default=False, metadata={
         "help": "before training, the largest micro-batch up to --per_device_train_batch_size that fits in memory, "
-                "with the accumulation raised to keep the global batch (recipes/micro_batch.py)"})
+                "with the accumulation raised to keep the global batch (recipes/training/micro_batch.py)"})
     learning_rate: float = field(default=2e-5, metadata={"help": "peak learning rate of AdamW"})
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay, on matrices (not biases, norms)"})
     lr_scheduler_type: str = field(default="linear", metadata={"help": "transformers' get_scheduler name "
-                                   "(recipes/schedule.py): linear, cosine, constant_with_warmup, ..."})
+                                   "(recipes/training/schedule.py): linear, cosine, constant_with_warmup, ..."})
     lr_scheduler_kwargs: Optional[str] = field(default=None, metadata={
         "help": "JSON object of the schedule's extra arguments, e.g. '{\"num_cycles\": 2}'"})
     warmup_steps: Optional[float] = field(default=None, metadata={
@@ -102,7 +104,7 @@ class Config:
     group_by_length: bool = field(default=False, metadata={"help": "batches of similar lengths: less padding"})
     padding_free: bool = field(default=False, metadata={
         "help": "no padding positions: each micro-batch packed into one row, attention kept per sequence (TRL's "
-                "padding_free; exact, recipes/padding_free.py)"})
+                "padding_free; exact, recipes/model/padding_free.py)"})
     eval_steps: Optional[int] = field(default=None, metadata={"help": "also evaluate every N optimizer steps"})
     data_parallel: bool = field(default=False, metadata={
         "help": "wrap in nn.DataParallel over visible GPUs (precision: ACCELERATE_MIXED_PRECISION=bf16|fp16|no)"})
@@ -117,7 +119,8 @@ class Config:
     early_stopping_patience: Optional[int] = field(default=None, metadata={
         "help": "stop after N evaluations without a better --metric_for_best_model"})
     force_resume: bool = field(default=False, metadata={
-        "help": "resume with changed training flags, applying each from the checkpoint's step (recipes/contract.py)"})
+        "help": "resume with changed training flags, applying each from the checkpoint's step "
+                "(recipes/checkpoints/contract.py)"})
     record_ranks: bool = field(default=False, metadata={"help": "write ranks/rank<i>.json: sample ids, param sums"})
     ddp_timeout: int = field(default=1800, metadata={"help": "seconds a collective may wait before failing"})
     ddp_find_unused_parameters: bool = field(default=False, metadata={
@@ -128,14 +131,16 @@ class Config:
     profile_steps: Optional[str] = field(default=None, metadata={
         "help": "A-B: record optimizer steps A..B with torch.profiler (traces in <output_dir>/profile/)"})
     torch_compile: bool = field(default=False, metadata={
-        "help": "torch.compile the model (inductor) through Accelerate, after DDP/FSDP wrapping (recipes/compilation)"})
+        "help": "torch.compile the model (inductor) through Accelerate, after DDP/FSDP wrapping "
+                "(recipes/model/compilation.py)"})
     torch_compile_mode: str = field(default="default", metadata={
         "help": "torch.compile mode: default|reduce-overhead|max-autotune|max-autotune-no-cudagraphs"})
     compile_regions: bool = field(default=False, metadata={
         "help": "compile each repeated encoder layer on its own, not the whole model: shorter compiles"})
     cpu_threads: int = field(default=0, metadata={
         "help": "threads per process computing on CPU; 0: OMP_NUM_THREADS if above 1, else cores / local processes"})
-    # LoRA through PEFT (recipes/adapters.py): the base frozen, adapters and the head trained; needs the lora extra
+    # LoRA through PEFT (recipes/model/adapters.py): the base frozen, adapters and the head trained; needs the lora
+    # extra
     use_peft: bool = field(default=False, metadata={
         "help": "train LoRA adapters on the encoder's linears and the head in full; final/ merged, final/adapter/"})
     lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
@@ -144,7 +149,8 @@ class Config:
     lora_target_modules: Optional[str] = field(default=None, metadata={
         "help": "comma-separated module names or suffixes to adapt, or all-linear (default: every linear of the "
                 "encoder's layers, attention and feed-forward)"})
-    # Trackers, model card, Hub upload (recipes/tracking.py); names and meanings as in transformers' TrainingArguments
+    # Trackers, model card, Hub upload (recipes/outputs/tracking.py); names and meanings as in transformers'
+    # TrainingArguments
     report_to: str = field(default="tensorboard", metadata={
         "help": f"trackers, comma-separated: {', '.join(tracking.TRACKERS)}; all (the installed ones) or none"})
     push_to_hub: bool = field(default=False, metadata={"help": "at the end, upload final/ (with its card) to the Hub"})

@@ -120,7 +120,7 @@ def main(argv=None) -> None:
         import datetime as dt
         import json
 
-        from recipes.records import library_versions
+        from recipes.outputs.records import library_versions
         from scripts.bench import hardware
         from scripts.run_record import results_path
 

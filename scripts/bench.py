@@ -1,8 +1,9 @@
 """Every strategy side by side on the same work, against the baselines users would pick instead.
 
-    make bench                 # quick: the tiny model in fp32, every strategy + baselines (its results .md says how long it took)
-    make bench BENCH=full      # + roberta-base and roberta-large shapes (random init) in bf16, for GPU machines
-    make bench BENCH=compile   # torch.compile vs eager, tiny and roberta-base shape, fp32: scripts/bench_compile.py
+    make bench                 # quick: the tiny model in fp32, every strategy + baselines (its results .md says how
+    long it took) make bench BENCH=full      # + roberta-base and roberta-large shapes (random init) in bf16, for GPU
+    machines make bench BENCH=compile   # torch.compile vs eager, tiny and roberta-base shape, fp32:
+    scripts/bench_compile.py
 
 Each run trains the same data, seed, number of optimizer steps and effective batch; throughput counts the steps after
 a warm-up, from the recipe's metrics.jsonl (elapsed, samples, tokens). Runs go to runs/bench/<model>_<run>; the
@@ -15,7 +16,7 @@ a hand-written PyTorch loop and transformers.Trainer (scripts/bench_baselines.py
 recipe padding every batch to 128 tokens (--pad_to_max_length) instead of to the longest sequence, the recipe with
 length-grouped batches (--group_by_length), without padding (`padding_free`, --padding_free: each micro-batch packed
 into one row) and both (`padding_free_grouped`), and the recipe with torch's per-parameter AdamW (`unfused`, --optim
-adamw_torch) or eager attention (`eager_attn`) instead of its defaults (recipes/kernels.py), the recipe training
+adamw_torch) or eager attention (`eager_attn`) instead of its defaults (recipes/model/kernels.py), the recipe training
 LoRA adapters of rank 8 and the head on the frozen model (`lora`, --use_peft: its model state and speed beside full
 fine-tuning's; skipped for a model built from random init, or without the lora extra); and `alternate`, the recipe,
 the loop and Trainer in three threads of one process, taking
@@ -48,7 +49,7 @@ about 6 min:
 
 The headline ratios should stay within 5% of an idle run's, and the report name the runs it repeated and set aside.
 
-Model-state bytes per rank are measured by recipes/memstats.py after training and compared
+Model-state bytes per rank are measured by recipes/model/memstats.py after training and compared
 with scripts/memory_model.py's prediction for the same strategy, world size and precision; so are the bytes each
 rank sends per optimizer step (recipes/testing/commstats.py, counted by the probe in steps 3-6, against memory_model's
 comm_bytes_per_step, the textbook figure; bench_report.COMM_NOTES says why a strategy departs from it).
@@ -74,10 +75,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from recipes.launch_checks import visible_gpus
+from recipes.checks.launch_checks import visible_gpus
+from recipes.outputs.records import library_versions, read_jsonl
 from recipes.testing.probe import COMM_VARIABLE
-from recipes.records import library_versions, read_jsonl
-from recipes.strategy import available_cores
+from recipes.training.strategy import available_cores
 from scripts import bench_load, memory_model
 from scripts.bench_report import (BENCH_PAGE, MIB, epoch_figures, mib, ratio_lines, ratios, rerender, round_order,
                                   throughput,
@@ -91,15 +92,16 @@ STRATEGIES = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3", "zero2_offload
 BASELINES = ("loop", "trainer", "pad128", "grouped", "padding_free", "padding_free_grouped", "unfused", "eager_attn",
              "lora", "alternate")
 # The baselines that are the recipe on one process (accelerate_configs/single.yaml) with other flags: padding to 128,
-# length-grouped batches, no padding (recipes/padding_free.py) without and with length-grouped batches, torch's
+# length-grouped batches, no padding (recipes/model/padding_free.py) without and with length-grouped batches, torch's
 # per-parameter AdamW instead of the fused one, eager attention instead of SDPA (the last two show what
-# recipes/kernels.py's defaults give).
+# recipes/model/kernels.py's defaults give).
 RECIPE_VARIANTS = {"pad128": ["--pad_to_max_length", "--max_length", "128"], "grouped": ["--group_by_length"],
                    "padding_free": ["--padding_free"], "padding_free_grouped": ["--padding_free", "--group_by_length"],
                    "unfused": ["--optim", "adamw_torch"], "eager_attn": ["--attn_implementation", "eager"],
                    "lora": ["--use_peft", "--lora_r", "8"]}
-# `lora`: LoRA adapters (rank 8, the recipe's default targets) and the head on the frozen model (recipes/adapters.py);
-# its state is predicted with the same rank (memory_model.shape_from_model lora_r), beside full fine-tuning's `single`.
+# `lora`: LoRA adapters (rank 8, the recipe's default targets) and the head on the frozen model
+# (recipes/model/adapters.py); its state is predicted with the same rank (memory_model.shape_from_model lora_r), beside
+# full fine-tuning's `single`.
 LORA_R = 8
 # The one-process runs in interleaved rounds, in launch order: the pairs that the goals compare are neighbours
 # (padding_free_grouped-grouped-single-padding_free) but pad128-grouped, one apart (grouped has three partners), as
@@ -402,7 +404,7 @@ def collect_comm(run: Run, records: list, shape: memory_model.ModelShape) -> Non
 
 
 # Dense peak FLOP/s per GPU from the vendors' data sheets (bf16 tensor core without sparsity; fp32 is TF32 tensor
-# core, which the recipe's fp32 runs use on GPUs, recipes/strategy.py use_tf32_matmuls).
+# core, which the recipe's fp32 runs use on GPUs, recipes/training/strategy.py use_tf32_matmuls).
 GPU_PEAK_FLOPS = {  # name fragment: (bf16, fp32)
     "H200": (989e12, 494e12), "H100 PCIe": (756e12, 378e12), "H100": (989e12, 494e12), "A100": (312e12, 156e12),
     "A10G": (70e12, 35e12), "L40S": (362e12, 183e12), "L4": (121e12, 60e12), "A6000": (155e12, 77e12),
@@ -649,7 +651,8 @@ def padding_costs(spec: ModelSpec, profile: Profile, multiple: int = 8) -> dict:
     to a multiple of `multiple` (--pad_to_multiple_of, for tensor cores)."""
     from transformers import AutoTokenizer
 
-    from recipes import cls, data
+    from recipes import cls
+    from recipes.inputs import data
 
     base = ["--model_name_or_path", spec.path, "--per_device_train_batch_size", str(profile.per_device_batch),
             "--max_train_samples", str(profile.steps * profile.per_device_batch), "--max_length", "128"]
@@ -716,7 +719,7 @@ def main(argv=None) -> None:
 def custom_model(name_or_path: str) -> ModelSpec:
     """A ModelSpec for --model_name_or_path: fp32 and the tiny model's learning rate (a few steps on few samples),
     from random init when the folder holds a config but no weights."""
-    from recipes.flag_checks import WEIGHT_FILES
+    from recipes.model.source import WEIGHT_FILES
 
     folder = Path(name_or_path)
     random_init = folder.is_dir() and not any((folder / f).is_file() for f in WEIGHT_FILES)

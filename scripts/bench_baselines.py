@@ -37,8 +37,11 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from recipes import data, flag_checks, kernels, memstats, records, schedule, strategy
 from recipes.cls import Config, build_model, param_groups
+from recipes.inputs import data
+from recipes.model import kernels, memstats, source
+from recipes.outputs import records
+from recipes.training import schedule, strategy
 from scripts import bench_load
 from scripts.bench_report import round_order
 
@@ -320,8 +323,8 @@ def mixed_precision(precision: str) -> str:
 
 def select_device(precision: str, tf32: bool) -> torch.device:
     """The one device a baseline computes on, with the recipe's matmul precision: fp32 on a GPU uses TF32 tensor
-    cores in the recipe (recipes/strategy.py use_tf32_matmuls), so here too, or the comparison is of other math.
-    Several visible GPUs are refused: Trainer would wrap the model in nn.DataParallel and multiply the batch."""
+    cores in the recipe (recipes/training/strategy.py use_tf32_matmuls), so here too, or the comparison is of other
+    math. Several visible GPUs are refused: Trainer would wrap the model in nn.DataParallel and multiply the batch."""
     if torch.cuda.device_count() > 1:
         sys.exit("error: the baselines run on one GPU: set CUDA_VISIBLE_DEVICES to one device (make bench does)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -335,7 +338,7 @@ def main(argv=None) -> None:
     device = select_device(args.precision, cfg.tf32)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = flag_checks.load_tokenizer(cfg)
+    tokenizer = source.load_tokenizer(cfg)
     train_ds, eval_ds, names = data.prepare_datasets(cfg, tokenizer)
     if len(train_ds) % args.batch_size:
         sys.exit(f"error: --max_train_samples ({len(train_ds)}) must be a multiple of --batch_size")

@@ -32,7 +32,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipes.records import library_versions, read_jsonl
+from recipes.outputs.records import library_versions, read_jsonl
 from scripts.bench import (ACCELERATE, PROFILES, REPO, Profile, Run, cpu_matmul_flops, execute, free_port,
                            hardware, progress, run_env, threads_of)
 from scripts.bench_report import round_order, slug, spread
@@ -128,7 +128,7 @@ def training_flops_per_position(path: str, seq_len: int) -> float:
     roberta-base's parameters, which would put the MFU of padded positions above 1."""
     import torch
 
-    from recipes.launch_checks import model_skeleton
+    from recipes.checks.launch_checks import model_skeleton
 
     model = model_skeleton(path, 2)
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))

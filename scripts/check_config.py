@@ -18,9 +18,9 @@ needs more is a problem. A Hub id this machine cannot reach stops it in one line
 repository root: like `accelerate launch`, it reads `deepspeed_config_file` relative to the current directory.
 Recipe flags are those of recipes/cls.py; the ones not given take its defaults. Without --model_name_or_path the
 FSDP wrap classes are not checked. With --trainer_args (a TrainingArguments JSON) it also names each setting on which
-a transformers.Trainer script and the YAML + DeepSpeed JSON pair disagree (recipes/trainer_args_checks.py). The
-checks themselves are recipes/launch_checks.py, which the recipe also runs at start-up. A warning (fewer processes
-than GPUs) is printed as "<file>: warning: ..." and does not change the exit status.
+a transformers.Trainer script and the YAML + DeepSpeed JSON pair disagree (recipes/checks/trainer_args_checks.py). The
+checks themselves are recipes/checks/launch_checks.py, which the recipe also runs at start-up. A warning (fewer
+processes than GPUs) is printed as "<file>: warning: ..." and does not change the exit status.
 
 For a DeepSpeed YAML, --write_resolved PATH writes its DeepSpeed JSON with every "auto" filled for the recipe flags,
 the model and --num_processes (default: the YAML's), as the recipe's launch would: a file that plain `deepspeed`
@@ -39,9 +39,10 @@ from dataclasses import fields
 from pathlib import Path
 from unittest import mock
 
-from recipes import hub, launch_checks, trainer_args_checks
+from recipes.checks import launch_checks, trainer_args_checks
 from recipes.cls import Config
 from recipes.config import HelpFormatter
+from recipes.model import hub
 from scripts import memory_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -190,10 +191,10 @@ def write_resolved(yaml_path: str, out: str, recipe: dict, model_path: str | Non
 
 def fsdp_wrap_notes(yaml_path: str, recipe: dict) -> list[str]:
     """For an FSDP YAML that names no wrap class: the classes the recipe picks for the model, and what to name in
-    the YAML when it is used outside the recipe (recipes/fsdp_wrap.py says why plain Accelerate differs)."""
+    the YAML when it is used outside the recipe (recipes/model/fsdp_wrap.py says why plain Accelerate differs)."""
     import yaml
 
-    from recipes import fsdp_wrap
+    from recipes.model import fsdp_wrap
 
     launch = yaml.safe_load(Path(yaml_path).read_text()) or {}
     fsdp = launch.get("fsdp_config") or {}

@@ -37,7 +37,7 @@ from pathlib import Path
 from statistics import mean
 
 from recipes import RecipeError
-from recipes.records import library_versions, read_jsonl
+from recipes.outputs.records import library_versions, read_jsonl
 from scripts import bench_load
 from scripts.bench import ACCELERATE, failure_reason, free_port, hardware
 from scripts.bench_report import slug

@@ -29,8 +29,8 @@ against the pinned hash and used as it is, with only config.json's dropout set t
 
 - fp16 with the default fused AdamW, on one GPU and under FSDP2 (one process): the recipe with step 3's logits made
   NaN (the probe's fault nan:3:0), a real loss-scale overflow; the run must count the step as skipped, hold the
-  learning-rate schedule there and finish (recipes/strategy.py OverflowCheck: before it, Accelerate 1.15.0 reported
-  the fused kernel's skipped step as taken and the non-finite guard stopped the run);
+  learning-rate schedule there and finish (recipes/training/strategy.py OverflowCheck: before it, Accelerate 1.15.0
+  reported the fused kernel's skipped step as taken and the non-finite guard stopped the run);
 
 and per config: status, its per-step losses and the reference's, max and mean |difference| and a verdict against
 LOSS_BOUND (and the pre-clip gradient norms against GRAD_NORM_BOUND), model-state bytes measured vs
@@ -400,7 +400,7 @@ def build_ops(timeout: float, retry: bool) -> str:
     if retry:  # this part was killed at the hard limit: its lock would make every later build wait forever
         from torch.utils.cpp_extension import get_default_build_root
 
-        from recipes.strategy import held_open
+        from recipes.training.strategy import held_open
 
         base = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
         for lock in [*base.glob("*/lock"), *base.glob("*/*/lock")]:
@@ -682,7 +682,7 @@ def run_checks(budget: float = BUDGET_S, started: float | None = None, hard_limi
 
 def step_records(run_dir: str) -> dict:
     """{step: record} of a run's metrics.jsonl."""
-    from recipes.records import read_jsonl
+    from recipes.outputs.records import read_jsonl
 
     path = Path(run_dir) if Path(run_dir).is_absolute() else REPO / run_dir
     return {r["step"]: r for r in read_jsonl(path / "metrics.jsonl")}
@@ -896,7 +896,7 @@ def render_markdown(results: dict) -> str:
              f"gradient norms within {results['loss_bound']['grad_norm_median_rel_diff']}: "
              f"{results['loss_bound']['why']}.", "", "## Configs", "", config_table(results), "",
              "Model state: bytes of the live tensors of the largest rank after training and the final evaluation "
-             "(recipes/memstats.py) against scripts/memory_model.py; CUDA: torch.cuda.max_memory_allocated / "
+             "(recipes/model/memstats.py) against scripts/memory_model.py; CUDA: torch.cuda.max_memory_allocated / "
              "max_memory_reserved of the largest rank. MFU: 6 x parameters x tokens/s plus attention, over the bf16 "
              "data-sheet peak of the GPUs the run used (scripts/bench.py GPU_PEAK_FLOPS). Per-step losses: the .json "
              "beside this file.", "", *fp16_lines(results), "## Reduced `BENCH=full` table", "",

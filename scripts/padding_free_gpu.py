@@ -6,7 +6,7 @@ On the roberta-base shape (random init, seed 42, dropout 0) and the default data
 --batches micro-batches of each --batch_sizes, the recipe's own loaders and collators), for three ways to run a
 micro-batch:
 - padded: dynamic padding, `sdpa` (what the recipe runs without --padding_free);
-- varlen: --padding_free with torch's varlen flash kernel (recipes/padding_free.py `_VARLEN`: CUDA, bf16, no
+- varlen: --padding_free with torch's varlen flash kernel (recipes/model/padding_free.py `_VARLEN`: CUDA, bf16, no
   attention dropout);
 - grouped: --padding_free with the kernel switched off, so that attention runs per length group through SDPA (what
   the CPU and a model with attention dropout run).
@@ -28,13 +28,14 @@ from pathlib import Path
 
 import torch
 
-from recipes import cls, data
-from recipes import padding_free as pf
-from recipes.flag_checks import load_tokenizer
+from recipes import cls
+from recipes.inputs import data
+from recipes.model import padding_free as pf
+from recipes.model.source import load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 AUTOCAST = "cuda"  # the device type of the bf16 autocast
-KERNEL = pf._varlen()  # torch's varlen kernel as recipes/padding_free.py found it; forward() switches it per path
+KERNEL = pf._varlen()  # torch's varlen kernel as recipes/model/padding_free.py found it; forward() switches it per path
 
 
 def model_of(shape: Path):

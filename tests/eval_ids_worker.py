@@ -14,8 +14,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from recipes import cls, data, strategy
+from recipes import cls
+from recipes.inputs import data
 from recipes.metrics import compute_metrics, load_metrics
+from recipes.training import strategy
 
 
 def main(model_dir: str, out: str, sizes: list[int]) -> None:

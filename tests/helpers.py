@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes.records import read_jsonl
+from recipes.outputs.records import read_jsonl
 from scripts.bench import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -108,7 +108,7 @@ def fp32_launch_args(config: str, tmp_path: Path) -> list[str]:
 
 def eval_loader(cfg, tokenizer):
     """The recipe's evaluation loader for `cfg`, built in this process as the recipe builds it, and the label names."""
-    from recipes import data
+    from recipes.inputs import data
 
     train_ds, eval_ds, names = data.prepare_datasets(cfg, tokenizer)
     return data.build_loaders(cfg, train_ds, eval_ds, tokenizer, world_size=1).eval, names

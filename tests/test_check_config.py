@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO
-from recipes import launch_checks
+from recipes.checks import launch_checks
 from scripts import check_config
 
 BAD = "tests/fixtures/bad_configs"

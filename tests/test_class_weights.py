@@ -1,4 +1,4 @@
-"""--class_weights and --label_smoothing_factor (recipes/problem.py TrainingLoss, data.Loaders.window_weights).
+"""--class_weights and --label_smoothing_factor (recipes/inputs/problem.py TrainingLoss, data.Loaders.window_weights).
 
 In-process: the weighted loss sum over the window's weight sum is torch's weighted mean; balanced weights as
 scikit-learn defines them; each window's weight sum, read from the sampler's order, equals the one of the batches the
@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from helpers import TINY_FLAGS, losses, rank_records, read_jsonl, run_recipe
-from recipes import RecipeError, cls, data, problem
-from recipes.flag_checks import load_tokenizer
+from recipes import RecipeError, cls
+from recipes.inputs import data, problem
+from recipes.model.source import load_tokenizer
 
 
 def config(**flags):

@@ -268,7 +268,8 @@ def breakdown(output_dir) -> dict:
 @no_gpu
 def test_ddp_sends_the_gradients_once(tiny_model, tmp_path):
     """DDP (8 steps, fp32, 2 processes): one ring all-reduce of every fp32 gradient, 2 x 4P x (n-1)/n, plus the
-    buffers DDP broadcasts before each forward and the 20-byte reduction of the log (recipes/records.py StepLog)."""
+    buffers DDP broadcasts before each forward and the 20-byte reduction of the log (recipes/outputs/records.py
+    StepLog)."""
     run_recipe(tmp_path, *PARITY_FLAGS, config="ddp.yaml", env=COUNT)
     per_rank, measured = comm_of(tmp_path)
     shape = tiny_shape(tiny_model)

@@ -1,5 +1,5 @@
-"""--torch_compile (recipes/compilation.py): compiled runs train the eager run's losses, compile a bounded number of
-graphs under dynamic padding, and record graphs, compile time and what was compiled; bad flag values are one line.
+"""--torch_compile (recipes/model/compilation.py): compiled runs train the eager run's losses, compile a bounded number
+of graphs under dynamic padding, and record graphs, compile time and what was compiled; bad flag values are one line.
 
 The runs use the dropout-free tiny model: inductor draws dropout masks from its own generator (Philox), not from
 torch's CPU stream, so with dropout a compiled run's losses leave the eager run's from the first step (measured:

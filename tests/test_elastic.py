@@ -8,7 +8,8 @@ Tiny model without dropout (a world-size change gives other dropout streams), fp
 Tolerances: the resumed run sums the same samples' gradients in another grouping (1 process x 2 micro-batches instead
 of 2 ranks x 1 and an all-reduce) and pads them to other lengths, so float32 rounding (~1e-7 per step) may differ:
 ATOL = 1e-5 on losses, WEIGHT_ATOL = 1e-6 on the final weights (measured at most 7.5e-9; ZeRO-3 resumed without the
-universal-load repair in recipes/elastic.py ends 8.7e-6 away, so this bound catches it). Sample ids: equal exactly.
+universal-load repair in recipes/checkpoints/elastic.py ends 8.7e-6 away, so this bound catches it). Sample ids: equal
+exactly.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from helpers import fp32_launch_args, losses, rank_records, read_jsonl, run_recipe
-from recipes import data
+from recipes.inputs import data
 
 pytestmark = pytest.mark.multiproc
 

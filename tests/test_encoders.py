@@ -1,6 +1,6 @@
 """Encoders that are not RoBERTa, and what every config must hold for any of them.
 
-- The FSDP wrap classes come from the model (recipes/fsdp_wrap.py) for every encoder family, and a DistilBERT
+- The FSDP wrap classes come from the model (recipes/model/fsdp_wrap.py) for every encoder family, and a DistilBERT
   (`_no_split_modules` empty in transformers 5.23) gets one FSDP unit per layer under the shipped fsdp.yaml.
 - fp32 parity with DDP and exact resume: DistilBERT under FSDP2, DeBERTa-v2 under ZeRO-3 (partitioned loading),
   both built offline (random init, a WordPiece tokenizer trained on the data; the DeBERTa folder has no tokenizer and
@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import REPO, fp32_launch_args, losses, rank_records, read_jsonl, run_recipe
-from recipes import RecipeError, cls, fsdp_wrap
+from recipes import RecipeError, cls
+from recipes.model import fsdp_wrap
 from recipes.testing.probe import fingerprint
 from scripts import memory_model
 
@@ -243,7 +244,8 @@ def test_loading_flags_reach_every_from_pretrained(encoders, tmp_path, monkeypat
     start-up check and the checker's skeleton (a local folder ignores them, so the calls are captured)."""
     import transformers
 
-    from recipes import flag_checks, launch_checks
+    from recipes.checks import launch_checks
+    from recipes.model import source
 
     seen = []
 
@@ -260,10 +262,10 @@ def test_loading_flags_reach_every_from_pretrained(encoders, tmp_path, monkeypat
     cfg = cls.parse_config(["--model_name_or_path", str(encoders["distilbert"]), "--revision", "v1.0",
                             "--problem_type", "single_label",
                             "--cache_dir", cache, "--trust_remote_code"])
-    flag_checks.check_model_source(cfg)
-    flag_checks.load_tokenizer(cfg)
+    source.check_model_source(cfg)
+    source.load_tokenizer(cfg)
     cls.build_model(cfg, ["0", "1"])
-    launch_checks.model_skeleton(cfg.model_name_or_path, **flag_checks.loading_kwargs(cfg))
+    launch_checks.model_skeleton(cfg.model_name_or_path, **source.loading_kwargs(cfg))
     wanted = {"revision": "v1.0", "cache_dir": cache, "trust_remote_code": True}
     assert {c for c, _ in seen} == {"AutoConfig", "AutoTokenizer", "AutoModelForSequenceClassification"}
     assert [kwargs for _, kwargs in seen if kwargs != wanted] == []

@@ -16,8 +16,10 @@ import pytest
 import torch
 
 from helpers import REPO, eval_loader, fp32_launch_args, losses, read_jsonl, run_recipe
-from recipes import RecipeError, cls, data, flag_checks, problem
+from recipes import RecipeError, cls
+from recipes.inputs import data, problem
 from recipes.metrics import compute_metrics, load_metrics
+from recipes.model import source
 
 N_TRAIN, N_EVAL, N_PREDICT = 100, 101, 37  # 100 = 64 + 36 per epoch: the second window is partial at 8 x 4
 # Pairs (3 classes from two texts) and multi-label need 8 epochs before the tiny model memorises them at lr 3e-3
@@ -289,9 +291,9 @@ def test_bad_model_sources_are_refused(tiny_model, tmp_path, monkeypatch):
              (["--model_name_or_path", str(tiny_model), "--max_length", "1024"], "--max_length 1024 exceeds the")]
     for flags, message in cases:
         with pytest.raises(RecipeError) as err:
-            flag_checks.check_model_source(cls.parse_config(flags))
+            source.check_model_source(cls.parse_config(flags))
         assert message in str(err.value), str(err.value)
-    assert flag_checks.check_model_source(cls.parse_config(["--model_name_or_path", str(shape), "--random_init"]))
+    assert source.check_model_source(cls.parse_config(["--model_name_or_path", str(shape), "--random_init"]))
 
 
 BAD_DATA = {

@@ -19,9 +19,14 @@ import torch
 
 from helpers import (ACCELERATE, PYTHON, REPO, TINY_FLAGS, free_port, rank_records, read_jsonl, run_in_own_group,
                      run_recipe)
-from recipes import RecipeError, checkpoint, data, launch_checks, records, strategy
+from recipes import RecipeError
+from recipes.checkpoints import checkpoint
+from recipes.checks import launch_checks
 from recipes.cls import Config, parse_config
+from recipes.inputs import data
+from recipes.outputs import records
 from recipes.testing.probe import Probe
+from recipes.training import strategy
 from scripts import bench, check_config
 
 
@@ -579,7 +584,7 @@ def test_cpu_threads_follow_the_machine_unless_the_user_chose(monkeypatch, devic
 def test_bench_baselines_take_one_gpu_the_runs_precision_and_the_recipes_matmul_math(monkeypatch, tmp_path):
     """BENCH=full on 4 GPUs: loop, Trainer and `alternate` run in one process on the first visible GPU (Trainer would
     take all four: nn.DataParallel and 4 x the batch) in the model's precision, and the baselines refuse several GPUs
-    themselves; on a GPU in fp32 they compute with TF32 matmuls as the recipe does (recipes/strategy.py
+    themselves; on a GPU in fp32 they compute with TF32 matmuls as the recipe does (recipes/training/strategy.py
     use_tf32_matmuls), so the fp32 comparisons are of the same math."""
     from scripts import bench_baselines
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from helpers import TINY_FLAGS, losses, rank_records, read_jsonl, run_recipe
-from recipes import RecipeError, cls, data
+from recipes import RecipeError, cls
+from recipes.inputs import data
 
 
 def skewed_lengths(n: int, seed: int = 0) -> list[int]:
@@ -157,7 +158,7 @@ def test_predictions_come_out_in_input_order_with_longest_first_batches(tiny_mod
     from accelerate import Accelerator
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from recipes import predict
+    from recipes.outputs import predict
 
     texts = [("好" * (1 + (i * 7) % 40)) + f" {i}" for i in range(36)] + [""]
     path = tmp_path / "predict.jsonl"

@@ -1,5 +1,5 @@
-"""A Hub id on a machine that cannot reach the Hub (recipes/hub.py): one line within seconds, saying how to stage the
-model, from the recipe's start-up checks, scripts/check_config.py and scripts/memory_model.py; and no probe where it
+"""A Hub id on a machine that cannot reach the Hub (recipes/model/hub.py): one line within seconds, saying how to stage
+the model, from the recipe's start-up checks, scripts/check_config.py and scripts/memory_model.py; and no probe where it
 cannot decide anything (a local folder, the Hub cache, offline mode, a proxy). In-process; the network is stood in
 for, so the tests mean the same on a machine that has one."""
 from __future__ import annotations
@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from recipes import RecipeError, cls, flag_checks, hub
+from recipes import RecipeError, cls
+from recipes.model import hub, source
 from scripts import check_config, memory_model
 
 STAGING = "`hf download roberta-base --local-dir models/roberta-base`"
@@ -46,7 +47,7 @@ def test_recipe_refuses_an_unreachable_hub_id_at_once_with_how_to_stage_it(no_ne
                             "--cache_dir", str(tmp_path / "empty_cache")])
     started = time.perf_counter()
     with pytest.raises(RecipeError) as err:
-        flag_checks.check_model_source(cfg)
+        source.check_model_source(cfg)
     line = str(err.value)
     assert time.perf_counter() - started < 2.0  # no retries: the probe was refused at once
     assert no_network == [(("huggingface.co", 443), hub.PROBE_TIMEOUT_S)]
@@ -91,7 +92,7 @@ def test_offline_mode_keeps_its_reason(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = cls.parse_config(["--model_name_or_path", "roberta-base", "--cache_dir", str(tmp_path / "empty_cache")])
     with pytest.raises(RecipeError) as err:
-        flag_checks.check_model_source(cfg)
+        source.check_model_source(cfg)
     assert str(err.value).startswith(f"model 'roberta-base' cannot be fetched: {hub.OFFLINE}; ")
     assert STAGING in str(err.value)
 
@@ -100,7 +101,7 @@ def test_a_missing_folder_is_not_sent_to_the_hub(no_network, tmp_path):
     missing = tmp_path / "models" / "roberta-base"  # a path no Hub id can be: the folder is what is missing
     assert not hub.is_hub_id(str(missing)) and hub.is_hub_id("FacebookAI/roberta-base")
     with pytest.raises(RecipeError) as err:
-        flag_checks.check_model_source(cls.parse_config(["--model_name_or_path", str(missing)]))
+        source.check_model_source(cls.parse_config(["--model_name_or_path", str(missing)]))
     assert str(err.value) == f"model folder {missing} not found (nor a Hub id: `name` or `org/name`)"
     assert no_network == []
 
@@ -108,6 +109,6 @@ def test_a_missing_folder_is_not_sent_to_the_hub(no_network, tmp_path):
 def test_a_tokenizer_hub_id_is_probed_too(no_network, tiny_model):
     cfg = cls.parse_config(["--model_name_or_path", str(tiny_model), "--tokenizer_name", "roberta-base"])
     with pytest.raises(RecipeError) as err:
-        flag_checks.load_tokenizer(cfg)
+        source.load_tokenizer(cfg)
     assert str(err.value).startswith("model 'roberta-base' cannot be fetched: the Hugging Face Hub (huggingface.co)")
     assert len(no_network) == 1

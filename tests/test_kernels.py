@@ -1,4 +1,4 @@
-"""The optimizer and attention kernels (recipes/kernels.py): torch's fused AdamW and SDPA attention, the defaults,
+"""The optimizer and attention kernels (recipes/model/kernels.py): torch's fused AdamW and SDPA attention, the defaults,
 train as torch's per-parameter AdamW and the model's eager attention do, within float tolerance; run_config.json
 records which ran; a resumed run keeps the flag's choice; bad values are one RecipeError line.
 
@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from helpers import TINY, losses, run_recipe
-from recipes import RecipeError, kernels
+from recipes import RecipeError
 from recipes.config import parse_config
+from recipes.model import kernels
 
 STEPS = ["--max_train_steps", "8", "--per_device_train_batch_size", "8", "--logging_steps", "1"]
 # fp32 on CPU, 8 steps of the tiny model: the fused kernel computes the same update in another order (one pass

@@ -1,5 +1,5 @@
-"""The package layout holds: imports run one way and in no circle, no path edits, test machinery only in
-recipes/testing/ and inert unless asked for."""
+"""The package layout holds: imports run one way (down recipes/'s floors) and in no circle, docs/layout.md lists every
+file, no path edits, test machinery only in recipes/testing/ and inert unless asked for."""
 from __future__ import annotations
 
 import ast
@@ -7,7 +7,7 @@ import ast
 import pytest
 
 from helpers import REPO
-from recipes import data
+from recipes.inputs import data
 from recipes.testing.probe import Probe
 
 PY_FILES = sorted(p for folder in ("recipes", "scripts", "tests") for p in (REPO / folder).rglob("*.py"))
@@ -40,10 +40,9 @@ def project_imports(path) -> set[str]:
     """The project modules `path` imports anywhere in it (a function's own import counts too), as dotted names."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module in ("recipes", "scripts") and node.level == 0:
-            found |= {f"{node.module}.{alias.name}" for alias in node.names}  # from recipes import data
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)  # from recipes.inputs.data import SAMPLE_IDS
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}  # from recipes.inputs import data
         elif isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
     return {name for name in found if name.split(".")[0] in ("recipes", "scripts")}
@@ -73,6 +72,68 @@ def test_no_import_circles_in_recipes_or_scripts():
         if name not in state:
             visit(name, [name])
     assert circles == []
+
+
+# recipes/'s floors, top to bottom (docs/layout.md): a module imports only from floors below its own, or from its own
+# package. testing/ sits under cls.py, the one module that imports it.
+FLOORS = [["recipes.cls"], ["recipes.testing"], ["recipes.config"], ["recipes.flag_checks"],
+          ["recipes.training", "recipes.checkpoints"], ["recipes.outputs"], ["recipes.checks", "recipes.inputs"],
+          ["recipes.model", "recipes.metrics"], ["recipes"]]
+
+
+def recipes_unit(dotted: str) -> str:
+    """The floor's unit of a recipes module: its package below recipes/, or the top-level module itself."""
+    parts = dotted.split(".")
+    return ".".join(parts[:2])
+
+
+def test_recipes_packages_import_down_their_floors():
+    floor = {unit: i for i, units in enumerate(FLOORS) for unit in units}
+    up = []
+    for path in (REPO / "recipes").rglob("*.py"):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if "metrics" in parts[1:-1]:
+            continue  # the evaluate modules are loaded by path
+        unit = recipes_unit(name)
+        assert unit in floor, f"{path.relative_to(REPO)}: a new package or top-level module; give it a floor"
+        for target in project_imports(path):
+            other = recipes_unit(target)
+            if other in floor and other != unit and floor[other] <= floor[unit]:
+                up.append(f"{name} -> {target}")
+    assert up == []
+    importers = {str(p.relative_to(REPO)) for p in (REPO / "recipes").rglob("*.py")
+                 if any(t.startswith("recipes.testing") for t in project_imports(p)) and "testing" not in p.parts}
+    assert importers == {"recipes/cls.py"}
+
+
+def test_layout_page_lists_every_file():
+    """docs/layout.md names every file of recipes/ (a package's modules by name under its folder), scripts/, tests/,
+    accelerate_configs/ and docs/, and nothing that is not there."""
+    listed, package, fenced = set(), None, False
+    for line in (REPO / "docs" / "layout.md").read_text().splitlines():
+        fenced ^= line.startswith("```")
+        name = line.strip().split("  ")[0]
+        if not fenced or not name or line.startswith(("```", " " * 4)):
+            continue  # prose, a fence, a description's next line
+        if line.startswith("  "):
+            listed.add(package + name)
+        else:
+            listed.add(name)
+            package = name if name.endswith("/") else package
+    files = {str(p.relative_to(REPO)) for folder in ("scripts", "tests", "docs") for p in (REPO / folder).glob("*")
+             if p.is_file() and p.suffix in (".py", ".sh", ".yaml", ".md")}
+    files |= {f"accelerate_configs/{p.name}" for p in (REPO / "accelerate_configs").glob("*.yaml")}
+    for path in (REPO / "recipes").rglob("*"):
+        rel = path.relative_to(REPO)
+        if rel.parts[1:2] == ("metrics",) and len(rel.parts) > 3 or "__pycache__" in rel.parts:
+            continue
+        if path.is_dir():
+            files.add(f"{rel}/")
+        elif path.suffix == ".py" and (path.name != "__init__.py" or len(rel.parts) == 2 or "metrics" in rel.parts):
+            files.add(str(rel))
+    missing, stale = sorted(files - listed), sorted(p for p in listed if "*" not in p and not (REPO / p).exists())
+    assert (missing, stale) == ([], []), "docs/layout.md lacks these files / names these that are not there"
 
 
 def test_fault_variable_is_read_only_by_the_probe():

@@ -1,5 +1,5 @@
-"""Long runs (recipes/longrun.py): one command for the first start and every restart, preemption, rotation, the best
-model, early stopping and the non-finite guard, checked against one uninterrupted reference run.
+"""Long runs (recipes/checkpoints/longrun.py): one command for the first start and every restart, preemption, rotation,
+the best model, early stopping and the non-finite guard, checked against one uninterrupted reference run.
 
 Every launch here uses the same restartable command (REF_FLAGS, --resume_from_checkpoint auto): 2 processes x 8
 samples, evaluation every 3 steps, a checkpoint every 2 steps, the newest 2 kept. With these data the accuracy is best
@@ -21,8 +21,9 @@ import pytest
 
 from helpers import (ACCELERATE, PYTHON, REPO, TINY_FLAGS, eval_loader, free_port, kill_group, losses, rank_records,
                      read_jsonl, run_recipe)
-from recipes import RecipeError, checkpoint, longrun
-from recipes.checkpoint import ResumePoint
+from recipes import RecipeError
+from recipes.checkpoints import checkpoint, longrun
+from recipes.checkpoints.checkpoint import ResumePoint
 
 REF_FLAGS = ["--per_device_train_batch_size", "8", "--max_train_steps", "12", "--eval_steps", "3",
              "--checkpointing_steps", "2", "--save_total_limit", "2", "--logging_steps", "2",
@@ -317,7 +318,7 @@ def test_restart_warnings_follow_torchs_store_sharing(monkeypatch):
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
     from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 
-    from recipes.launch_checks import restart_warnings
+    from recipes.checks.launch_checks import restart_warnings
 
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
     shared = {"static": StaticTCPRendezvous.use_agent_store.fget(None),

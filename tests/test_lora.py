@@ -1,4 +1,4 @@
-"""LoRA through PEFT (--use_peft, recipes/adapters.py) on the pretrained encoder cut to 2 layers (conftest's
+"""LoRA through PEFT (--use_peft, recipes/model/adapters.py) on the pretrained encoder cut to 2 layers (conftest's
 `cut_pretrained`: BERT, so a pooler, which the recipe trains in full with the classifier), fp32 without dropout.
 
 One reference run (one process, `python recipes/cls.py --data_parallel`: on this CPU-only machine nn.DataParallel falls
@@ -31,13 +31,14 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import PRETRAINED_DATA, fp32_launch_args, losses, no_gpu, rank_records, run_recipe
-from recipes import RecipeError, adapters, cls, flag_checks
+from recipes import RecipeError, cls
+from recipes.model import adapters, source
 
 # 8 steps of 16 snippets (2 x 8 on two processes), a checkpoint every 4; rank 4 on every linear of the 2 layers
 LORA = ["--use_peft", "--lora_r", "4", "--lora_dropout", "0"]
 RUN = [*PRETRAINED_DATA, *LORA, "--max_train_steps", "8", "--checkpointing_steps", "4", "--learning_rate", "1e-3"]
 # The shipped bf16 configs: 4 steps, no checkpoint, so that nothing runs between the save of best/ and of final/ (a
-# checkpoint's collectives hid FSDP2's stale unsharded root there: recipes/adapters.py, trained_state)
+# checkpoint's collectives hid FSDP2's stale unsharded root there: recipes/model/adapters.py, trained_state)
 BF16_RUN = [*PRETRAINED_DATA, *LORA, "--max_train_steps", "4", "--learning_rate", "1e-3"]
 # Bounds, fp32 on this CPU (measured: each test prints its figure). Losses of DDP, FSDP2, ZeRO-2 and ZeRO-3 vs one
 # process: 6.0e-8 at most over the 8 steps (one ulp of a loss near 0.69); the bound allows about 8 ulp, as
@@ -287,7 +288,7 @@ def test_missing_peft_is_one_line(monkeypatch):
 
 
 def test_target_naming_no_module_is_one_line(cut_pretrained):
-    line = refusal(flag_checks.check_model_source, "--model_name_or_path", str(cut_pretrained), "--use_peft",
+    line = refusal(source.check_model_source, "--model_name_or_path", str(cut_pretrained), "--use_peft",
                    "--lora_target_modules", "query,q_proj")
     assert line.startswith("--lora_target_modules q_proj: no module of BertForSequenceClassification is named so")
 
@@ -355,12 +356,12 @@ def test_memory_model_counts_gradients_and_adam_of_the_trainable_part_only():
 
 
 def test_gradient_checkpointing_gives_the_same_adapter_gradients(cut_pretrained, tmp_path):
-    """--gradient_checkpointing with --use_peft (recipes/activation_checkpointing.py on the PEFT model): the frozen
-    embeddings' output needs no gradient, so torch's non-reentrant checkpoint (the recipe's choice) still reaches the
-    adapters of every layer; loss and every trainable gradient equal the plain model's, in-process, no launch."""
+    """--gradient_checkpointing with --use_peft (recipes/model/activation_checkpointing.py on the PEFT model): the
+    frozen embeddings' output needs no gradient, so torch's non-reentrant checkpoint (the recipe's choice) still reaches
+    the adapters of every layer; loss and every trainable gradient equal the plain model's, in-process, no launch."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from recipes import activation_checkpointing
+    from recipes.model import activation_checkpointing
 
     cfg = cls.parse_config(["--model_name_or_path", str(cut_pretrained), "--output_dir", str(tmp_path), *LORA])
     tokenizer = AutoTokenizer.from_pretrained(cut_pretrained)

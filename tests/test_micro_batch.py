@@ -21,10 +21,11 @@ import pytest
 import torch
 
 from helpers import fp32_launch_args, losses, no_gpu, read_jsonl, run_recipe
-from recipes import RecipeError, micro_batch
-from recipes.checkpoint import ResumePoint
+from recipes import RecipeError
+from recipes.checkpoints.checkpoint import ResumePoint
 from recipes.config import Config, parse_config
 from recipes.testing.probe import Probe
+from recipes.training import micro_batch
 
 # 64 samples, 2 ranks, 16 samples per optimizer step: 4 steps; short texts and a short trial.
 SMALL = ["--max_train_samples", "64", "--max_eval_samples", "16", "--max_length", "64"]

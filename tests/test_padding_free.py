@@ -1,4 +1,4 @@
-"""--padding_free (recipes/padding_free.py): exact per sequence, on every strategy, with resume and evaluation.
+"""--padding_free (recipes/model/padding_free.py): exact per sequence, on every strategy, with resume and evaluation.
 
 In-process: every accepted architecture's packed logits (and gradients) against the padded model's, and proof that
 the comparison catches the two bugs users report (RoBERTa's positions counted from 0, sequences that see each
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from helpers import fp32_launch_args, losses, rank_records, read_jsonl, run_recipe
-from recipes import RecipeError, padding_free
+from recipes import RecipeError
+from recipes.model import padding_free
 
 # Measured here (torch 2.13 CPU, float32): the packed and padded logits agree to 0.0 for every architecture below
 # in one length group (the same matmuls on the same rows), within 1.9e-9 with a group per length, within 7.5e-8 on the
@@ -289,7 +290,9 @@ def test_predictions_in_input_order_and_equal_to_the_padded_ones(tiny_model, tmp
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from helpers import TINY_FLAGS
-    from recipes import cls, data, predict
+    from recipes import cls
+    from recipes.inputs import data
+    from recipes.outputs import predict
 
     texts = [("好" * (1 + (i * 7) % 40)) + f" {i}" for i in range(36)] + [""]
     path = tmp_path / "predict.jsonl"
@@ -319,7 +322,7 @@ def test_compiled_model_keeps_one_graph_over_new_lengths_and_counts(monkeypatch)
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from recipes import compilation
+    from recipes.model import compilation
 
     model, config = tiny("roberta")
     model.eval()

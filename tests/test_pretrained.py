@@ -27,7 +27,8 @@ from safetensors import safe_open
 
 from helpers import (PARITY_FLAGS, PRETRAINED_DATA, SNIPPETS, assert_follows, assert_pretrained_in_and_out,
                      fp32_launch_args, losses, no_gpu, read_jsonl, run_recipe)
-from recipes import RecipeError, cls, flag_checks
+from recipes import RecipeError, cls
+from recipes.model import source
 from scripts import bench, fetch_pretrained
 
 # 8 steps of 2 x 8 snippets at a pretrained model's rate
@@ -74,7 +75,7 @@ def test_ddp_starts_from_the_checkpoint_and_saves_its_names(ddp_reference, cut_p
 
 def test_run_config_records_weight_hash(ddp_reference, cut_pretrained):
     contract = json.loads((ddp_reference / "run_config.json").read_text())["training_contract"]["model"]
-    names = ["config.json", "model.safetensors", *(f for f in flag_checks.TOKENIZER_FILES
+    names = ["config.json", "model.safetensors", *(f for f in source.TOKENIZER_FILES
                                                    if (cut_pretrained / f).is_file())]
     assert {name: contract.get(name) for name in names} == {
         name: fetch_pretrained.sha256_of(cut_pretrained / name) for name in names}
@@ -129,7 +130,7 @@ def refusal(check, folder, tmp_path, *flags) -> str:
 
 def test_model_folder_without_weights_is_one_line(cut_pretrained, tmp_path):
     folder = copy_of(cut_pretrained, tmp_path, without=["model.safetensors"])
-    assert refusal(flag_checks.check_model_source, folder, tmp_path) == (
+    assert refusal(source.check_model_source, folder, tmp_path) == (
         f"model folder {folder} holds a config but no weights; add --random_init to train this architecture from "
         "scratch")
 
@@ -145,14 +146,14 @@ def test_weights_that_do_not_fit_the_config_are_one_line(cut_pretrained, tmp_pat
     """transformers 5.23 would start the missing layers from random init and drop the extra ones, with a warning."""
     folder = copy_of(cut_pretrained, tmp_path, **change)
     layers = change.get("num_hidden_layers", 2)
-    assert refusal(flag_checks.check_model_source, folder, tmp_path) == (
+    assert refusal(source.check_model_source, folder, tmp_path) == (
         f"the weights in {folder} do not fit the model its config.json describes (bert, {layers} layers): {found}; "
         "give the config.json that was saved with these weights")
 
 
 def test_tokenizer_folder_without_vocabulary_is_one_line(cut_pretrained, tmp_path):
     folder = copy_of(cut_pretrained, tmp_path, without=["vocab.txt", "tokenizer.json"])
-    assert refusal(flag_checks.load_tokenizer, folder, tmp_path) == (
+    assert refusal(source.load_tokenizer, folder, tmp_path) == (
         f"cannot load the tokenizer of '{folder}': the folder has tokenizer_config.json but no vocabulary "
         "(tokenizer.json, vocab.txt, vocab.json, ...); copy the model's vocabulary file into it or give a tokenizer "
         "with --tokenizer_name")

@@ -1,5 +1,5 @@
-"""--profile_steps A-B (recipes/profiling.py): the traces hold steps A..B and nothing else, on DDP and ZeRO-2; bad
-values are one RecipeError line."""
+"""--profile_steps A-B (recipes/outputs/profiling.py): the traces hold steps A..B and nothing else, on DDP and ZeRO-2;
+bad values are one RecipeError line."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ import torch
 from helpers import TINY, fp32_launch_args, run_recipe
 from recipes import RecipeError
 from recipes.config import parse_config
-from recipes.profiling import StepProfiler
+from recipes.outputs.profiling import StepProfiler
 
 FORWARD, OPTIMIZER = "aten::addmm", "Optimizer.step#AdamW.step"  # a Linear's forward; torch's AdamW.step range
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from helpers import eval_loader, losses, no_gpu, rank_records, read_jsonl, run_recipe
-from recipes import RecipeError, cls, data
+from recipes import RecipeError, cls
+from recipes.inputs import data
 from recipes.metrics import compute_metrics, load_metrics
 
 N_TRAIN, N_EVAL = 256, 101

@@ -1,5 +1,5 @@
-"""The evaluation report (recipes/report.py): scores against hand-computed values, in-process; launched, the report
-of a DDP run counts every validation example once and describes the evaluation final/ holds.
+"""The evaluation report (recipes/outputs/report.py): scores against hand-computed values, in-process; launched, the
+report of a DDP run counts every validation example once and describes the evaluation final/ holds.
 """
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from helpers import read_jsonl, run_recipe
-from recipes import RecipeError, calibration, problem, report
+from recipes import RecipeError
+from recipes.inputs import problem
+from recipes.outputs import calibration, report
 
 
 def test_single_label_scores_confusion_and_calibration_by_hand():

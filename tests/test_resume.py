@@ -61,7 +61,7 @@ def assert_skipped_with_accelerate(first_epoch: dict, micro_batches: int):
 
 
 # zero2_offload: DeepSpeed's CPU Adam steps instead of the recipe's AdamW, and a same-world load gave it new param
-# groups that the linear schedule no longer reached (recipes/checkpoint.py schedule_stepping_groups).
+# groups that the linear schedule no longer reached (recipes/checkpoints/checkpoint.py schedule_stepping_groups).
 CASES = [("ddp.yaml", 1), ("ddp.yaml", 3), ("zero2.yaml", 3), ("fsdp.yaml", 3), ("zero2_offload.yaml", 3)]
 
 

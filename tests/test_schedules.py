@@ -1,5 +1,5 @@
-"""Learning-rate schedules by name (recipes/schedule.py), warm-up as TrainingArguments reads it, and padding to a
-multiple: flag errors, the rates a run records against transformers' own schedule, exact on resume on another world
+"""Learning-rate schedules by name (recipes/training/schedule.py), warm-up as TrainingArguments reads it, and padding to
+a multiple: flag errors, the rates a run records against transformers' own schedule, exact on resume on another world
 size, and the padded lengths."""
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from helpers import TINY, losses, read_jsonl, run_recipe
-from recipes import RecipeError, cls, data, schedule
+from recipes import RecipeError, cls
+from recipes.inputs import data
+from recipes.training import schedule
 
 
 def config(*flags):
@@ -54,13 +56,13 @@ def test_bad_schedule_and_padding_flags_are_one_line(tiny_model, flags, message)
 
 
 def test_padding_beyond_the_positions_is_refused(tiny_model):
-    from recipes import flag_checks
+    from recipes.model import source
 
     # RoBERTa's 514 positions hold 512 tokens; 510 rounded up to a multiple of 64 is 512, to 128 it is 512, of 100 600
-    flag_checks.check_model_source(config("--max_length", "510", "--pad_to_multiple_of", "64"))
+    source.check_model_source(config("--max_length", "510", "--pad_to_multiple_of", "64"))
     with pytest.raises(RecipeError, match="--pad_to_multiple_of 100 pads a batch of --max_length 510 tokens to 600, "
                                           "beyond the 512 positions .* use --max_length 500 or less"):
-        flag_checks.check_model_source(config("--max_length", "510", "--pad_to_multiple_of", "100"))
+        source.check_model_source(config("--max_length", "510", "--pad_to_multiple_of", "100"))
 
 
 @pytest.mark.parametrize("grouped", [False, True])

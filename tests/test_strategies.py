@@ -22,9 +22,10 @@ from safetensors.torch import load_file
 from helpers import (ACCELERATE, PARITY_FLAGS, PRETRAINED_DATA, REPO, TINY, TINY_FLAGS, assert_follows,
                      assert_pretrained_in_and_out, eval_loader, fp32_launch_args, free_port, kill_group, losses, no_gpu,
                      rank_records, read_jsonl, run_recipe)
-from recipes import cls, strategy
+from recipes import cls
 from recipes.metrics import load_metrics
 from recipes.testing.probe import fingerprint
+from recipes.training import strategy
 
 pytestmark = [pytest.mark.multiproc, no_gpu]  # CPU rehearsal: gloo, FSDP on CPU, MULTI_CPU expected
 

@@ -8,7 +8,8 @@ import re
 import pytest
 
 from helpers import REPO, TINY, fp32_launch_args, read_jsonl, run_recipe
-from recipes import RecipeError, cls, tasks
+from recipes import RecipeError, cls
+from recipes.inputs import tasks
 from recipes.metrics import SCORES, check_scores
 
 

@@ -1,4 +1,4 @@
-"""Trackers, the model card and the Hub upload (recipes/tracking.py).
+"""Trackers, the model card and the Hub upload (recipes/outputs/tracking.py).
 
 - One DDP launch on 2 processes with --report_to tensorboard,mlflow: MLflow's local store holds one run (rank 0's)
   whose logged values equal metrics.jsonl and eval.jsonl step by step; final/README.md, loaded back with
@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from helpers import TINY_FLAGS, no_gpu, read_jsonl, run_recipe
-from recipes import RecipeError, cls, records, tracking
+from recipes import RecipeError, cls
+from recipes.outputs import records, tracking
 
 SECRET = "hf_TrackingTestSecret0123456789"  # a made-up token: no file of a run may contain it
 ENV_SECRET = "hf_EnvironmentSecret9876543210"
@@ -200,7 +201,8 @@ def test_unreachable_hub_is_one_line(monkeypatch):
 
 def test_main_stops_before_any_work(tmp_path, monkeypatch):
     """The recipe's own main(): the tracker check comes before the model, the data and the output folder."""
-    from recipes import flag_checks, longrun
+    from recipes import flag_checks
+    from recipes.checkpoints import longrun
 
     monkeypatch.setattr(longrun, "install_signal_handlers", lambda: None)  # not in pytest's own process
     monkeypatch.setattr(flag_checks, "check_model_source", lambda cfg: pytest.fail("reached the model source"))

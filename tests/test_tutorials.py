@@ -21,7 +21,9 @@ import yaml
 
 from helpers import (ACCELERATE, PARITY_FLAGS, PYTHON, REPO, TINY_FLAGS, fp32_launch_args, free_port, losses,
                      rank_records, read_jsonl, run_recipe)
-from recipes import RecipeError, activation_checkpointing, precision_support, trainer_args_checks
+from recipes import RecipeError
+from recipes.checks import trainer_args_checks
+from recipes.model import activation_checkpointing
 from scripts import activation_memory, check_config, make_fp16_configs
 from scripts import memory_model as mm
 

@@ -4,7 +4,7 @@
 Each score has one name that never changes meaning (eval.jsonl, trackers, the model card, --metric_for_best_model):
 
 - single label: `accuracy` and `f1_macro` always; `f1` (of the positive class, id 1: two classes only) and
-  `matthews_correlation` where a task is judged by them (recipes/tasks.py) or --metric_name asks;
+  `matthews_correlation` where a task is judged by them (recipes/inputs/tasks.py) or --metric_name asks;
 - regression: `pearson`, `spearman` (correlation/); multi-label: `micro_f1`, `macro_f1`, `exact_match` (multilabel/).
 """
 from __future__ import annotations

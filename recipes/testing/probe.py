@@ -10,9 +10,9 @@ until a stop signal arrives, 60 s at most (`wait`: a test then signals the launc
 --auto_micro_batch's trial of every micro-batch above N run out of memory on that rank (`oom`, N the largest that
 fits: `trial` raises torch.OutOfMemoryError between the trial's forward and backward). The training loop calls it at
 four points: `epoch` (the loader of each epoch), `batch` (each micro-batch), `step` (each optimizer step) and
-`finish` (after training); `save_checkpoint` calls `saved`; recipes/micro_batch.py calls `trial`. Inert, each call
-returns at once and the batches carry no sample ids. One more point is for the benchmark only: an in-process harness
-may set `Probe.step_hook` to a callable that `step` calls with the step number (scripts/bench_baselines.py
+`finish` (after training); `save_checkpoint` calls `saved`; recipes/training/micro_batch.py calls `trial`. Inert, each
+call returns at once and the batches carry no sample ids. One more point is for the benchmark only: an in-process
+harness may set `Probe.step_hook` to a callable that `step` calls with the step number (scripts/bench_baselines.py
 `alternate` takes turns there with other training loops in the same process); it is None in every launch.
 
 With --record_ranks each rank writes ranks/rank<i>.json: the ids of the training examples it saw, micro-batch by
@@ -23,7 +23,7 @@ dtypes the first Linear computed in and the optimizer's master weights and state
 (under Accelerate's and DeepSpeed's wrappers, which may replace the one the recipe built), its update rule and
 whether it is torch's fused kernel; the
 dtypes FSDP2 accumulates gradients in between the micro-batches of a step; the memory the rank holds
-(recipes/memstats.py); and, with CLS_COMM=1, "comm": the bytes of the collectives of optimizer steps COMM_STEPS
+(recipes/model/memstats.py); and, with CLS_COMM=1, "comm": the bytes of the collectives of optimizer steps COMM_STEPS
 (recipes/testing/commstats.py), per step and per kind of collective, and the host reads of tensor values in those
 steps, by module.
 """
@@ -38,8 +38,9 @@ from pathlib import Path
 
 import torch
 
-from recipes import fsdp_wrap, longrun, memstats
-from recipes.data import SAMPLE_IDS
+from recipes.checkpoints import longrun
+from recipes.inputs.data import SAMPLE_IDS
+from recipes.model import fsdp_wrap, memstats
 from recipes.testing import commstats
 
 FAULT_VARIABLE = "CLS_FAULT"
@@ -170,7 +171,8 @@ class Probe:
                               "reduce (n-1)/n S, S the whole tensor (recipes/testing/commstats.py)"}
 
     def trial(self, micro_batch: int) -> None:
-        """Called by --auto_micro_batch's trial of `micro_batch` (recipes/micro_batch.py), after its forward."""
+        """Called by --auto_micro_batch's trial of `micro_batch` (recipes/training/micro_batch.py), after its
+        forward."""
         if self.fault is None or not self.fault.startswith("oom:"):
             return
         _, largest, rank = self.fault.split(":")
@@ -253,7 +255,7 @@ def optimizer_record(optimizer) -> dict:
     checks = [o.check_grad_overflow for o in chain if hasattr(o, "check_grad_overflow")]
     return {"chain": [type(o).__name__ for o in chain], "decoupled_weight_decay": bool(decoupled),
             "check_grad_overflow": checks[0] if checks else None,
-            "fused": bool(getattr(inner, "defaults", {}).get("fused"))}  # torch's fused AdamW (recipes/kernels.py)
+            "fused": bool(getattr(inner, "defaults", {}).get("fused"))}  # torch's fused AdamW (model/kernels.py)
 
 
 def pending_fsdp_gradient_dtypes(model) -> set:

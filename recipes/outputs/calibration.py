@@ -1,7 +1,7 @@
 """--calibrate temperature: one temperature T fitted after training, folded into final/; --calibrate thresholds: one
 threshold per label for a multi-label model, stored in final/config.json.
 
-The evaluation final/ holds (recipes/report.py Kept) gives the validation logits. Its examples are split in two
+The evaluation final/ holds (recipes/outputs/report.py Kept) gives the validation logits. Its examples are split in two
 halves by the run's seed: T minimises the negative log-likelihood of softmax(logits / T) on the first half (a golden
 section search over log T: the NLL is convex in 1/T, so unimodal in log T), and the second half, which the fit never
 saw, gives the expected calibration error and the NLL before and after. T is then folded into final/'s classifier:
@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from recipes import RecipeError, report
+from recipes import RecipeError
+from recipes.outputs import report
 
 CHOICES = {"temperature": "single_label", "thresholds": "multi_label"}  # --calibrate: the problem type it serves
 STORED = "label_thresholds"  # final/config.json: {label: threshold} of --calibrate thresholds
@@ -110,8 +111,9 @@ def fold(final: Path, temperature: float) -> str:
 
 def label_thresholds(cfg, outputs: dict | None, what: str, names: list[str], model_config) -> torch.Tensor | None:
     """Multi-label thresholds per label, on every rank: with --calibrate thresholds, those that maximise each label's
-    F1 on the validation outputs of final/'s evaluation (recipes/report.py; --multi_label_threshold for a label with
-    no positive example); else those the model's config stores (a final/ calibrated so, loaded again); else None."""
+    F1 on the validation outputs of final/'s evaluation (recipes/outputs/report.py; --multi_label_threshold for a label
+    with no positive example); else those the model's config stores (a final/ calibrated so, loaded again); else
+    None."""
     if cfg.problem_type != "multi_label":
         return None
     if cfg.calibrate == "thresholds" and outputs is not None and what != report.NOT_FINAL:

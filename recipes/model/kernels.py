@@ -58,7 +58,7 @@ def adamw_options(optim: str, device: torch.device) -> dict:
 
 def apply_after_load(optimizer, optim: str, device: torch.device) -> None:
     """After a checkpoint's optimizer state is loaded: the implementation this run asked for, not the saved one."""
-    from recipes.memstats import innermost_optimizer
+    from recipes.model.memstats import innermost_optimizer
 
     inner = innermost_optimizer(optimizer)
     if not isinstance(inner, torch.optim.AdamW) or not inner.param_groups:
@@ -87,7 +87,7 @@ def model_attention(cfg) -> dict:
 
 def describe(model, optimizer) -> dict:
     """What run_config.json records: the optimizer that steps and the attention the model runs."""
-    from recipes.memstats import innermost_optimizer
+    from recipes.model.memstats import innermost_optimizer
 
     inner = innermost_optimizer(optimizer)
     # the constructor's options: DeepSpeed's CPU Adam (offload) keeps the replaced AdamW's param-group keys unused

@@ -16,7 +16,10 @@ from typing import NoReturn
 
 import torch
 
-from recipes import RecipeError, compilation, fsdp_wrap, launch_checks, tracking
+from recipes import RecipeError
+from recipes.checks import launch_checks
+from recipes.model import compilation, fsdp_wrap
+from recipes.outputs import tracking
 
 
 def make_accelerator(cfg):
@@ -108,7 +111,7 @@ def complete_plugins(accelerator, cfg, model) -> None:
 
 
 def set_fsdp_wrap_classes(accelerator, model) -> list[str]:
-    """Under FSDP's transformer-based wrap with no class named in the YAML, the classes of recipes/fsdp_wrap.py.
+    """Under FSDP's transformer-based wrap with no class named in the YAML, the classes of recipes/model/fsdp_wrap.py.
 
     Accelerate 1.15.0 reads `transformer_cls_names_to_wrap` from FSDP_TRANSFORMER_CLS_TO_WRAP (None when the YAML has
     no `fsdp_transformer_layer_cls_to_wrap`) and, when None, takes the model's `_no_split_modules` inside `prepare`
@@ -370,7 +373,8 @@ def check_extension_locks(root: str | None = None) -> None:
     """
     from torch.utils.cpp_extension import get_default_build_root
 
-    # Ops live in $TORCH_EXTENSIONS_DIR/<op>/ or, by default, <root>/py311_cpu/<op>/ (cpp_extension._get_build_directory).
+    # Ops live in $TORCH_EXTENSIONS_DIR/<op>/ or, by default, <root>/py311_cpu/<op>/
+    # (cpp_extension._get_build_directory).
     base = Path(root or os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
     now = time.time()
     for lock in [*base.glob("*/lock"), *base.glob("*/*/lock")]:

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import torch
 
-from recipes import data, problem
+from recipes.inputs import data, problem
 
 
 def write_predictions(cfg, accelerator, model, predict_ds, tokenizer, names: list[str], path: Path,
                       thresholds: torch.Tensor | None = None) -> int:
     """Predict every row of `predict_ds` and write `path` (rank 0, through a temporary file); returns the count.
-    Multi-label: a label is predicted at p >= its own threshold (`thresholds`, recipes/calibration.py), else at
+    Multi-label: a label is predicted at p >= its own threshold (`thresholds`, recipes/outputs/calibration.py), else at
     --multi_label_threshold.
 
     Each line: {"row", "prediction" (label name, list of names, or score), "probabilities" (classification),

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from recipes import RecipeError, fsdp_wrap
+from recipes import RecipeError
+from recipes.model import fsdp_wrap
 
 INSTALL = "pip install 'peft==0.21.2' (or pip install '.[lora]')"
 # The LoRA flags and their defaults: any other value needs --use_peft.
@@ -52,7 +53,7 @@ def flag_problems(cfg) -> list[str]:
 
 def check_targets(cfg, config) -> None:
     """--lora_target_modules names modules of the model: checked on a weightless (meta) copy built from `config`,
-    before any process group, as flag_checks.check_model_source does for the model's other problems."""
+    before any process group, as source.check_model_source does for the model's other problems."""
     if not cfg.use_peft or not cfg.lora_target_modules:
         return
     from transformers import AutoModelForSequenceClassification
@@ -119,7 +120,7 @@ def apply(cfg, model):
     adapted.peft_config["default"].base_model_name_or_path = str(source.resolve()) if source.is_dir() \
         else cfg.model_name_or_path
     adapted.peft_config["default"].revision = None if source.is_dir() else cfg.revision
-    # how the merged model reads that base again at save time (flag_checks.loading_kwargs, which imports this module)
+    # how the merged model reads that base again at save time (source.loading_kwargs, which imports this module)
     adapted.base_loading = {"revision": cfg.revision, "cache_dir": cfg.cache_dir,
                             "trust_remote_code": cfg.trust_remote_code}
     return adapted

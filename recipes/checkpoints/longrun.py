@@ -22,8 +22,11 @@ import threading
 from pathlib import Path
 from typing import Optional
 
-from recipes import RecipeError, checkpoint, records, tasks
+from recipes import RecipeError
+from recipes.checkpoints import checkpoint
+from recipes.inputs import tasks
 from recipes.metrics import AVAILABLE, SCORES
+from recipes.outputs import records
 
 PREEMPTED_EXIT = 3  # exit status of a worker that stopped on a signal after writing its checkpoint: resume it
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)

@@ -18,15 +18,18 @@ from pathlib import Path
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 from accelerate.utils import LoggerType
 
-from recipes import RecipeError, first_line, hub, records, report
+from recipes import RecipeError, first_line
 from recipes.metrics import AVAILABLE
+from recipes.model import hub
+from recipes.outputs import records, report
 
 # The names Accelerate 1.15.0's `log_with` takes, besides "all" (every installed tracker); "none" logs nowhere.
 TRACKERS = tuple(LOGGER_TYPE_TO_CLASS)
 # The pip package that makes each tracker available, where it is not the tracker's own name.
 PACKAGES = {"mlflow": "mlflow-skinny, or pip install -e .[trackers] in this repository", "comet_ml": "comet-ml"}
 REDACTED = records.REDACTED
-# The metrics of an evaluation record (eval.jsonl also holds the best-model bookkeeping of recipes/longrun.py).
+# The metrics of an evaluation record (eval.jsonl also holds the best-model bookkeeping of
+# recipes/checkpoints/longrun.py).
 METRICS = {*(m for scores in AVAILABLE.values() for m in scores), "loss"}
 # The flags the model card lists as hyperparameters (the rest are in run_config.json).
 HYPERPARAMETERS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay",

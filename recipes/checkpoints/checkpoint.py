@@ -20,7 +20,9 @@ from typing import Optional
 
 import torch
 
-from recipes import RecipeError, adapters, compilation, elastic
+from recipes import RecipeError
+from recipes.checkpoints import elastic
+from recipes.model import adapters, compilation
 
 PREEMPTED_MARKER = "PREEMPTED"  # checkpoints/PREEMPTED names the checkpoint a preempted run wrote; a resume removes it
 STEP_NAME = re.compile(r"step_(\d+)")
@@ -39,10 +41,10 @@ class ResumePoint:
     skipped_steps: int = 0  # optimizer steps skipped on fp16 overflow before the checkpoint (their windows count)
     cuda_devices: Optional[list] = None  # the local CUDA device index of each saving rank; None: not recorded
     global_batch: int = 0  # samples per optimizer step of the run that wrote it
-    micro_batch: int = 0  # its --per_device_train_batch_size (--auto_micro_batch keeps it: recipes/micro_batch.py)
+    micro_batch: int = 0  # its --per_device_train_batch_size (--auto_micro_batch keeps it: training/micro_batch.py)
     long_run: Optional[dict] = None  # its best-so-far and patience count (longrun.LongRun.state)
     eval_pending: bool = False  # written on a preemption before the evaluation due at its step: run that first
-    contract: Optional[dict] = None  # the training it is part of (recipes/contract.py); None: written before them
+    contract: Optional[dict] = None  # the training it is part of (contract.py); None: written before them
     finished: bool = False  # written at the end of training (the last step, or an early stop)
     changes: list = field(default_factory=list)  # contract.Change applied from this checkpoint on (--force_resume)
 
@@ -289,7 +291,7 @@ def schedule_stepping_groups(optimizer, scheduler) -> None:
     step 4 of 8: the losses left the uninterrupted run's at step 7, 0.7402 against 0.7584 at step 8). Without offload
     the schedule's optimizer is the one that steps and this changes nothing.
     """
-    from recipes.memstats import innermost_optimizer
+    from recipes.model.memstats import innermost_optimizer
 
     schedule = getattr(scheduler, "scheduler", scheduler)  # Accelerate's wrapper keeps torch's scheduler
     stepping = innermost_optimizer(optimizer)
@@ -328,7 +330,7 @@ def save_weights(accelerator, model, tokenizer, folder: Path, info: Optional[dic
     half-written; `info` (best/: the evaluation that made it the best) goes beside the weights as best_model.json."""
     accelerator.wait_for_everyone()
     plain = accelerator.unwrap_model(model, keep_torch_compile=False)
-    if adapters.is_adapted(plain):  # --use_peft: adapter/ and the merged model (recipes/adapters.py)
+    if adapters.is_adapted(plain):  # --use_peft: adapter/ and the merged model (recipes/model/adapters.py)
         write = adapters.weights_writer(accelerator, plain)  # a collective: every rank calls it
     else:
         state_dict = accelerator.get_state_dict(model)  # a collective under ZeRO-3 / FSDP: every rank calls it
@@ -390,7 +392,7 @@ def prepare_output_dir(out: Path, start: ResumePoint, overwrite: bool = False) -
 
 
 def source_checkpoint(path: Path) -> Path:
-    """step_N for its universal conversion step_N.universal (recipes/elastic.py), else the path itself."""
+    """step_N for its universal conversion step_N.universal (recipes/checkpoints/elastic.py), else the path itself."""
     return path.with_name(path.name[:-len(".universal")]) if path.name.endswith(".universal") else path
 
 
