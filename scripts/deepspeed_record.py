@@ -10,7 +10,7 @@ The changed JSONs are written beside the launches' folders (a temporary folder u
 ones are launched as the YAMLs name them.
 
 For each launch the record holds:
-- memory: the model-state bytes of the largest rank after training and evaluation (recipes/memstats.py), the
+- memory: the model-state bytes of the largest rank after training and evaluation (recipes/model/memstats.py), the
   prediction of scripts/memory_model.py for the same strategy, JSON and precision, and measured / predicted, as
   `make bench` computes them for its fp32 runs;
 - host_reads_per_step: rank 0's host reads of tensor values (`.item()`, `bool()`) per optimizer step, by the module
@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from recipes.records import library_versions
+from recipes.outputs.records import library_versions
 from recipes.testing.probe import COMM_STEPS
 from scripts import memory_model
 from scripts.bench import ACCELERATE, REPO, failure_reason, free_port, hardware, run_env, threads_of
@@ -52,8 +52,8 @@ VARIANTS = {
 }
 STEPS = COMM_STEPS.stop  # the counted steps and one more, which ends with the final evaluation
 MICRO_BATCH = 16  # per process, as `make bench` (its per-device batch)
-# The recipe keeps the final evaluation's gathered logits and labels to the end (recipes/report.py Kept), about 16
-# bytes an example, which memstats counts beside the model state ("other"): 1 KB for 64 examples, 55 KB (0.5% of the
+# The recipe keeps the final evaluation's gathered logits and labels to the end (recipes/outputs/report.py Kept), about
+# 16 bytes an example, which memstats counts beside the model state ("other"): 1 KB for 64 examples, 55 KB (0.5% of the
 # tiny model's bf16 state) for the whole split of 3513.
 EVAL_SAMPLES = 64
 
