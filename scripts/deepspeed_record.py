@@ -1,13 +1,15 @@
-"""A dated record of the DeepSpeed figures the docs quote: ZeRO-1's model state against the memory model, and the host
-reads each ZeRO config makes per optimizer step.
+"""A dated record of the DeepSpeed figures the docs quote: ZeRO-1's model state against the memory model, the host
+reads each ZeRO config makes per optimizer step, and ZeRO-3's collectives with its bucket sizes as shipped or "auto".
 
-    python scripts/deepspeed_record.py     # -> results/<date>_deepspeed_<device>_<host>.json, about 2 min on 2 cores
+    python scripts/deepspeed_record.py     # -> results/<date>_deepspeed_<device>_<host>.json, about 10 min on 2 cores
 
-Six launches of the recipe on the tiny model, 2 processes, bf16 as the JSONs ship it, each with --record_ranks and
-CLS_COMM=1 (recipes/testing/probe.py): zero1, zero1 with "data_types": {"grad_accum_dtype": "fp32"} (DeepSpeed 0.19.8
-then runs stage 1 through its BF16_Optimizer), zero2, zero2 with "check_grad_overflow": true, zero3, zero2_offload.
-The changed JSONs are written beside the launches' folders (a temporary folder unless --runs_dir); the shipped
-ones are launched as the YAMLs name them.
+Nine launches of the recipe, 2 processes, bf16 as the JSONs ship it, each with --record_ranks and CLS_COMM=1
+(recipes/testing/probe.py). On the tiny model: zero1, zero1 with "data_types": {"grad_accum_dtype": "fp32"}
+(DeepSpeed 0.19.8 then runs stage 1 through its BF16_Optimizer), zero2, zero2 with "check_grad_overflow": true,
+zero3, zero3 with its three bucket sizes at "auto" (Accelerate fills them from hidden_size), zero2_offload; on the
+roberta-base shape (random init, micro-batch 4): zero3 as shipped and with "auto" sizes. The changed JSONs are
+written beside the launches' folders (a temporary folder unless --runs_dir); the shipped ones are launched as the
+YAMLs name them.
 
 For each launch the record holds:
 - memory: the model-state bytes of the largest rank after training and evaluation (recipes/model/memstats.py), the
@@ -16,6 +18,8 @@ For each launch the record holds:
 - host_reads_per_step: rank 0's host reads of tensor values (`.item()`, `bool()`) per optimizer step, by the module
   that made them (recipes/testing/commstats.py), in steps 3-6 (probe.COMM_STEPS); the run trains one step more so
   that none of them holds the final evaluation. Each step's counts are kept too: they are the same in every step;
+- collectives_per_step: rank 0's calls and bytes sent of each kind of collective in the first counted step (the
+  counted steps must agree on the calls);
 - what ran: the optimizer chain and DeepSpeed's overflow check as rank 0 recorded them, the JSON it was given.
 
 docs/tutorials.md (ZeRO-1) and ds_configs/README.md (Host syncs) quote the newest record; tests/test_docs.py holds
@@ -41,17 +45,26 @@ from scripts.run_record import results_path
 
 WORLD = 2
 PRECISION = "bf16"
-# name: (shipped config, keys changed in its JSON; a dict value is merged into the JSON's own)
+# ZeRO-3's three sizes left to Accelerate, as zero3.json had them before (ds_configs/README.md, "Bucket sizes")
+AUTO_BUCKETS = {"zero_optimization": {"reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                      "stage3_param_persistence_threshold": "auto"}}
+BASE = "artifacts/roberta-base-shape"  # a config and tokenizer, no weights: built with --random_init
+# name: (shipped config, keys changed in its JSON (a dict value is merged into the JSON's own), model: None for
+# --model_name_or_path)
 VARIANTS = {
-    "zero1": ("zero1", {}),
-    "zero1_fp32_accum": ("zero1", {"data_types": {"grad_accum_dtype": "fp32"}}),
-    "zero2": ("zero2", {}),
-    "zero2_overflow_check": ("zero2", {"bf16": {"check_grad_overflow": True}}),
-    "zero3": ("zero3", {}),
-    "zero2_offload": ("zero2_offload", {}),
+    "zero1": ("zero1", {}, None),
+    "zero1_fp32_accum": ("zero1", {"data_types": {"grad_accum_dtype": "fp32"}}, None),
+    "zero2": ("zero2", {}, None),
+    "zero2_overflow_check": ("zero2", {"bf16": {"check_grad_overflow": True}}, None),
+    "zero3": ("zero3", {}, None),
+    "zero3_auto_buckets": ("zero3", AUTO_BUCKETS, None),
+    "zero2_offload": ("zero2_offload", {}, None),
+    "zero3_base": ("zero3", {}, BASE),
+    "zero3_auto_buckets_base": ("zero3", AUTO_BUCKETS, BASE),
 }
 STEPS = COMM_STEPS.stop  # the counted steps and one more, which ends with the final evaluation
 MICRO_BATCH = 16  # per process, as `make bench` (its per-device batch)
+BASE_MICRO_BATCH = 4  # the roberta-base shape's steps cost about 40 of the tiny model's
 # The recipe keeps the final evaluation's gathered logits and labels to the end (recipes/outputs/report.py Kept), about
 # 16 bytes an example, which memstats counts beside the model state ("other"): 1 KB for 64 examples, 55 KB (0.5% of the
 # tiny model's bf16 state) for the whole split of 3513.
@@ -65,9 +78,14 @@ def ds_config(strategy: str, changes: dict) -> dict:
     return config
 
 
+def model_of(name: str, default: str) -> str:
+    return VARIANTS[name][2] or default
+
+
 def launch(name: str, model: str, run_dir: Path, eval_samples: int | None) -> float:
     """One launch of the recipe for variant `name`, its log in run_dir/launch.log; returns its wall seconds."""
-    strategy, changes = VARIANTS[name]
+    strategy, changes, _ = VARIANTS[name]
+    micro_batch = BASE_MICRO_BATCH if model == BASE else MICRO_BATCH
     threads = threads_of(WORLD)
     run_dir.mkdir(parents=True)
     command = [ACCELERATE, "launch", "--config_file", f"accelerate_configs/{strategy}.yaml",
@@ -77,9 +95,10 @@ def launch(name: str, model: str, run_dir: Path, eval_samples: int | None) -> fl
         path.write_text(json.dumps(ds_config(strategy, changes), indent=2) + "\n")
         command += ["--deepspeed_config_file", str(path)]
     command += ["recipes/cls.py", "--model_name_or_path", model, "--output_dir", str(run_dir),
-                "--max_train_steps", str(STEPS), "--max_train_samples", str(STEPS * MICRO_BATCH * WORLD),
-                "--per_device_train_batch_size", str(MICRO_BATCH),
+                "--max_train_steps", str(STEPS), "--max_train_samples", str(STEPS * micro_batch * WORLD),
+                "--per_device_train_batch_size", str(micro_batch),
                 "--learning_rate", "1e-3", "--cpu_threads", str(threads), "--record_ranks", "--eval_report", "false"]
+    command += ["--random_init"] if model == BASE else []
     command += ["--max_eval_samples", str(eval_samples)] if eval_samples else []
     start = time.perf_counter()
     with open(run_dir / "launch.log", "w") as log:
@@ -103,9 +122,19 @@ def host_reads(rank0: dict) -> tuple[dict, dict]:
     return next(iter(by_step.values())), by_step
 
 
+def collectives(rank0: dict) -> dict:
+    """Rank 0's calls and bytes sent of each kind of collective in one counted step (the steps agree on the calls)."""
+    steps = [s["collectives"] for _, s in sorted(rank0["comm"]["steps"].items(), key=lambda item: int(item[0]))]
+    calls = [{kind: c["calls"] for kind, c in step.items()} for step in steps]
+    if any(c != calls[0] for c in calls):
+        raise SystemExit(f"error: the collectives differ between the counted steps: {calls}")
+    return {kind: {"calls": c["calls"], "sent_bytes": c["sent_bytes"]} for kind, c in steps[0].items()}
+
+
 def measure(name: str, run_dir: Path, shape: memory_model.ModelShape) -> dict:
-    """What a finished launch recorded: its memory against the prediction, rank 0's host reads, what ran."""
-    strategy, changes = VARIANTS[name]
+    """What a finished launch recorded: its memory against the prediction, rank 0's host reads and collectives, what
+    ran."""
+    strategy, changes, _ = VARIANTS[name]
     config = ds_config(strategy, changes)
     run_config = json.loads((run_dir / "run_config.json").read_text())
     ranks = [json.loads(p.read_text()) for p in sorted((run_dir / "ranks").glob("rank*.json"))]
@@ -120,7 +149,8 @@ def measure(name: str, run_dir: Path, shape: memory_model.ModelShape) -> dict:
             "world_size": run_config["world_size"], "mixed_precision": run_config["mixed_precision"],
             "optimizer": ranks[0]["optimizer"],
             "memory": {"measured_bytes": measured, "predicted_bytes": predicted, "ratio": measured / predicted},
-            "host_reads_per_step": per_step, "host_reads_by_step": by_step}
+            "host_reads_per_step": per_step, "host_reads_by_step": by_step,
+            "collectives_per_step": collectives(ranks[0])}
 
 
 def main(argv=None) -> int:
@@ -132,17 +162,19 @@ def main(argv=None) -> int:
                         "folder, removed afterwards)")
     parser.add_argument("--results_dir", default=str(REPO / "results"))
     args = parser.parse_args(argv)
-    shape = memory_model.shape_from_model(args.model_name_or_path)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="deepspeed_record_") as scratch:
         runs_dir = Path(args.runs_dir or scratch)
         runs = {}
         for name in VARIANTS:
-            wall_s = launch(name, args.model_name_or_path, runs_dir / name, args.max_eval_samples)
-            runs[name] = {**measure(name, runs_dir / name, shape), "wall_s": round(wall_s, 1)}
+            model = model_of(name, args.model_name_or_path)
+            wall_s = launch(name, model, runs_dir / name, args.max_eval_samples)
+            shape = memory_model.shape_from_model(model)
+            runs[name] = {**measure(name, runs_dir / name, shape), "model": model, "wall_s": round(wall_s, 1)}
             reads = ", ".join(f"{module} {n}" for module, n in runs[name]["host_reads_per_step"].items())
-            print(f"{name}: model state measured / predicted {runs[name]['memory']['ratio']:.3f}; host reads per "
-                  f"step on rank 0: {reads} ({wall_s:.0f} s)", flush=True)
+            calls = ", ".join(f"{kind} {c['calls']}" for kind, c in runs[name]["collectives_per_step"].items())
+            print(f"{name}: model state measured / predicted {runs[name]['memory']['ratio']:.3f}; per step on rank 0, "
+                  f"host reads: {reads}; collectives: {calls} ({wall_s:.0f} s)", flush=True)
     hw = hardware()
     result = {"kind": "deepspeed", "date": str(dt.date.today()),
               "command": shlex.join(["python", "scripts/deepspeed_record.py", *(argv if argv is not None

@@ -312,6 +312,7 @@ def test_sharded_strategies_send_what_their_collectives_explain(tiny_model, tmp_
     assert measured / predicted == pytest.approx(expected, rel=0.01)
     if config == "zero3.yaml":
         # The gradients in one reduce-scatter per step: the tiny model's 1.5M parameters fit one bucket of the JSON's
-        # 2e7 elements. Left at "auto" (hidden^2: 16,384 elements here) it took 30 (roberta-base shape: 148 -> 6).
+        # 2e7 elements. Left at "auto" (hidden^2: 16,384 elements here) it took 30 (roberta-base shape: 148 -> 6;
+        # scripts/deepspeed_record.py records both).
         steps = [s for s in rank_records(tmp_path)[0]["comm"]["steps"].values() if not s["evaluated"]]
         assert [s["collectives"]["reduce_scatter"]["calls"] for s in steps] == [1] * len(steps)

@@ -276,13 +276,15 @@ def test_activation_memory_figures_equal_their_record():
 def test_deepspeed_figures_equal_their_record():
     """docs/tutorials.md's ZeRO-1 measured / predicted in bf16 (as shipped, and with fp32 gradient accumulation) and
     ds_configs/README.md's host reads per optimizer step ("Host syncs") are those of the newest
-    `python scripts/deepspeed_record.py` record, which both pages name; the fp32 figure beside them is `make bench`'s."""
+    `python scripts/deepspeed_record.py` record, which both pages name; the fp32 figure beside them is `make
+    bench`'s. So are the "Bucket sizes" collective counts of ZeRO-3."""
     stem, record = newest_record("deepspeed")
     runs = record["runs"]
     assert record["world_size"] == 2 and record["precision"] == "bf16"
     assert record["command"].startswith("python scripts/deepspeed_record.py")
     # what ran, as rank 0 recorded it: the overflow check off and on, BF16_Optimizer under fp32 accumulation
-    assert [runs[name]["optimizer"]["check_grad_overflow"] for name in ("zero2", "zero2_overflow_check")] == [False, True]
+    overflow_check = [runs[name]["optimizer"]["check_grad_overflow"] for name in ("zero2", "zero2_overflow_check")]
+    assert overflow_check == [False, True]
     assert runs["zero1_fp32_accum"]["optimizer"]["chain"][1] == "BF16_Optimizer"
 
     tutorials = " ".join((REPO / "docs" / "tutorials.md").read_text().split())
@@ -307,4 +309,24 @@ def test_deepspeed_figures_equal_their_record():
                      f"{deepspeed_reads('zero2_offload')} (",
                      f"forward adds {forward} (transformers {record['versions']['transformers']}'s attention-mask "
                      "check, `masking_utils`)"):
+        assert fragment in section, fragment
+
+    # "Bucket sizes": ZeRO-3's reduce-scatters and all-gathers per step with the sizes at "auto" and as shipped
+    def calls(name: str) -> tuple[int, int]:
+        kinds = runs[name]["collectives_per_step"]
+        return kinds["reduce_scatter"]["calls"], kinds["all_gather"]["calls"]
+
+    def sent_mib(name: str) -> str:
+        return f"{sum(c['sent_bytes'] for c in runs[name]['collectives_per_step'].values()) / 2**20:.1f}"
+
+    assert runs["zero3_base"]["model"].endswith("roberta-base-shape") and sent_mib("zero3_base") == sent_mib(
+        "zero3_auto_buckets_base")
+    (auto_rs, auto_ag), (rs, ag) = calls("zero3_auto_buckets_base"), calls("zero3_base")
+    (tiny_auto_rs, tiny_auto_ag), (tiny_rs, tiny_ag) = calls("zero3_auto_buckets"), calls("zero3")
+    section = (REPO / "ds_configs" / "README.md").read_text().split("## Bucket sizes", 1)[1].split("\n## ", 1)[0]
+    section = " ".join(section.split())
+    for fragment in (f"results/{stem}.json",
+                     f'**{auto_rs} reduce-scatters and {auto_ag} all-gathers with "auto", {rs} and {ag} with the '
+                     f"explicit sizes**, the same {sent_mib('zero3_base')} MiB sent; on the tiny model {tiny_auto_rs} "
+                     f"and {tiny_auto_ag} before, {tiny_rs} and {tiny_ag} after"):
         assert fragment in section, fragment
