@@ -201,11 +201,11 @@ def test_unreachable_hub_is_one_line(monkeypatch):
 
 def test_main_stops_before_any_work(tmp_path, monkeypatch):
     """The recipe's own main(): the tracker check comes before the model, the data and the output folder."""
-    from recipes import flag_checks
     from recipes.checkpoints import longrun
+    from recipes.model import source
 
     monkeypatch.setattr(longrun, "install_signal_handlers", lambda: None)  # not in pytest's own process
-    monkeypatch.setattr(flag_checks, "check_model_source", lambda cfg: pytest.fail("reached the model source"))
+    monkeypatch.setattr(source, "check_model_source", lambda cfg: pytest.fail("reached the model source"))
     out = tmp_path / "run"
     with pytest.raises(RecipeError, match="unknown --report_to 'wandbb'"):
         cls.main(cls.parse_config([*TINY_FLAGS, "--output_dir", str(out), "--report_to", "wandbb"]))

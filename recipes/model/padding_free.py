@@ -81,7 +81,7 @@ def position_start(cfg) -> int:
     """The first position id of a sequence, as the model counts them when it is given none."""
     from transformers import AutoConfig
 
-    # source.loading_kwargs' three flags, read here: flag_checks imports this module
+    # source.loading_kwargs' three flags, read here: source imports this module
     return first_position(AutoConfig.from_pretrained(cfg.model_name_or_path, revision=cfg.revision,
                                                      cache_dir=cfg.cache_dir, trust_remote_code=cfg.trust_remote_code))
 
