@@ -137,6 +137,9 @@ class Config:
         "help": "torch.compile mode: default|reduce-overhead|max-autotune|max-autotune-no-cudagraphs"})
     compile_regions: bool = field(default=False, metadata={
         "help": "compile each repeated encoder layer on its own, not the whole model: shorter compiles"})
+    torch_compile_rng: str = field(default="auto", metadata={
+        "help": "where compiled dropout draws its masks: torch (torch's generator, eager's masks: inductor's "
+                "fallback_random), inductor (its own, fused), auto (torch on CPU, inductor on GPUs)"})
     cpu_threads: int = field(default=0, metadata={
         "help": "threads per process computing on CPU; 0: OMP_NUM_THREADS if above 1, else cores / local processes"})
     # LoRA through PEFT (recipes/model/adapters.py): the base frozen, adapters and the head trained; needs the lora

@@ -1,6 +1,6 @@
 """`make bench BENCH=compile`: the recipe compiled (--torch_compile) beside the recipe eager, on the same work.
 
-    make bench BENCH=compile   # 9.3 min on 2 CPU cores with inductor's cache warm, about 25 min on a first run
+    make bench BENCH=compile   # 14.9 min on 2 CPU cores (2026-11-27), about 25 min with inductor's cache cold
     python scripts/bench_compile.py [--runs_dir runs/bench] [--results_dir results]   # the same
 
 Rows: the tiny model (dynamic padding, as users run it) and the roberta-base shape (random init, batch 8 x 128 fixed
@@ -8,7 +8,8 @@ by --pad_to_max_length), each with its config's dropout (0.1) and without dropou
 dropout probabilities 0), fp32, one process with every core (bench.threads_of). Eager and compiled runs of a pair
 take turns in interleaved rounds (E C, C E, ...; round r with seed 42 + r, so both sides of a round train the same
 samples), as the main bench runs its COMPARED runs, and each ratio is taken within a round: compiled / eager speed
-as median with min-max over the rounds.
+as median with min-max over the rounds. With dropout a third side takes its turn, compiled with inductor's own
+dropout generator (--torch_compile_rng inductor, the GPU default) beside the CPU default, torch's generator.
 
 Per run: the median step time over the steps after the warm-up whose graph count did not grow (a step that compiled
 is compile time, reported apart as compile_s, dynamo and inductor's own count), tokens/s as those steps' mean tokens
@@ -16,8 +17,8 @@ over that median, the graphs compiled (training, then with the evaluation), and 
 training_flops_per_position) of the token positions computed (padding included: the work the CPU did, which is what
 compilation changes; 8 x 128 per step on the roberta-base shape) over the fp32 matmul rate this bench measures on
 the run's threads right before and right after the run (the better of the two: a rate slowed by other work would
-flatter the MFU). Without dropout the compiled run's per-step losses are compared with the eager run's of the same
-round (max relative difference).
+flatter the MFU). Each compiled run's per-step losses are compared with the eager run's of the same round (max
+relative difference): equal without dropout, and with dropout where both draw from torch's generator.
 
 Results: results/<date>_compile_<device>_<host>.{json,md}.
 """
@@ -38,6 +39,11 @@ from scripts.bench import (ACCELERATE, PROFILES, REPO, Profile, Run, cpu_matmul_
 from scripts.bench_report import round_order, slug, spread
 
 SIDES = ("eager", "compiled")
+# With dropout, a third side: compiled with inductor's own dropout generator, the default on GPUs (on CPU the recipe's
+# default draws from torch's, as eager: recipes/model/compilation.py)
+INDUCTOR_RNG = "compiled_inductor_rng"
+SIDE_FLAGS = {"eager": [], "compiled": ["--torch_compile"],
+              INDUCTOR_RNG: ["--torch_compile", "--torch_compile_rng", "inductor"]}
 
 
 @dataclass
@@ -76,7 +82,7 @@ def command(work: Work, model: str, side: str, seed: int, run_dir: Path, threads
             "--per_device_train_batch_size", str(work.batch), "--per_device_eval_batch_size", str(work.batch),
             "--max_eval_samples", str(2 * work.batch), "--max_length", str(work.seq_len),
             "--learning_rate", str(work.learning_rate), "--logging_steps", "1", "--report_to", "none",
-            "--cpu_threads", str(threads), *work.flags, *(["--torch_compile"] if side == "compiled" else [])]
+            "--cpu_threads", str(threads), *work.flags, *SIDE_FLAGS[side]]
 
 
 def timing(metrics: list, warmup_steps: int) -> dict:
@@ -142,18 +148,20 @@ def compile_ratios(rows: list) -> dict:
     out = {}
     for key in dict.fromkeys((r["model"], r["dropout"]) for r in rows):
         ok = [r for r in rows if (r["model"], r["dropout"]) == key and r["status"] == "ok"]
-        pairs = [(e, c) for e in ok for c in ok if e["side"] == "eager" and c["side"] == "compiled"
-                 and e["round"] == c["round"]]
-        if not pairs:
-            continue
-        entry = {"speedup": spread([e["step_time_s"] / c["step_time_s"] for e, c in pairs]),
-                 "graphs": max(c["graphs"] for _, c in pairs), "train_graphs": max(c["train_graphs"] for _, c in pairs),
-                 "compile_s": spread([c["compile_s"] for _, c in pairs]),
-                 "mfu": {side: spread([r["mfu"] for r in ok if r["side"] == side]) for side in SIDES}}
-        if key[1] == "none":
-            entry["max_loss_rel_diff"] = max(abs(a - b) / abs(b) for e, c in pairs
-                                             for a, b in zip(c["losses"], e["losses"]))
-        out[f"{key[0]} dropout {key[1]}"] = entry
+        for side in ("compiled", INDUCTOR_RNG):
+            pairs = [(e, c) for e in ok for c in ok if e["side"] == "eager" and c["side"] == side
+                     and e["round"] == c["round"]]
+            if not pairs:
+                continue
+            entry = {"speedup": spread([e["step_time_s"] / c["step_time_s"] for e, c in pairs]),
+                     "graphs": max(c["graphs"] for _, c in pairs),
+                     "train_graphs": max(c["train_graphs"] for _, c in pairs),
+                     "compile_s": spread([c["compile_s"] for _, c in pairs]),
+                     "mfu": {s: spread([r["mfu"] for r in ok if r["side"] == s]) for s in ("eager", side)},
+                     # with dropout: equal where both draw from torch's generator, apart where inductor draws
+                     "max_loss_rel_diff": max(abs(a - b) / abs(b) for e, c in pairs
+                                              for a, b in zip(c["losses"], e["losses"]))}
+            out[f"{key[0]} dropout {key[1]}" + (", inductor's generator" if side == INDUCTOR_RNG else "")] = entry
     return out
 
 
@@ -178,11 +186,12 @@ def ratio_lines(results: dict) -> list[str]:
     lines = []
     for name, e in results["ratios"].items():
         s = e["speedup"]
+        compiled = next(side for side in e["mfu"] if side != "eager")
         line = (f"{name}: compiled / eager speed {s['median']:.3f} (min {s['min']:.3f}, max {s['max']:.3f}, "
                 f"{s['rounds']} rounds); MFU eager {e['mfu']['eager']['median']:.3f}, compiled "
-                f"{e['mfu']['compiled']['median']:.3f}; {e['graphs']} graphs ({e['train_graphs']} training), "
+                f"{e['mfu'][compiled]['median']:.3f}; {e['graphs']} graphs ({e['train_graphs']} training), "
                 f"compile {e['compile_s']['median']:.1f} s")
-        if "max_loss_rel_diff" in e:
+        if "max_loss_rel_diff" in e:  # results before 2026-11-27 have it without dropout only
             line += f"; per-step losses within {e['max_loss_rel_diff']:.1e} (relative) of eager"
         lines.append(line)
     return lines
@@ -192,8 +201,9 @@ def run(profile: Profile, runs_dir: Path, results_dir: Path, command_line: str, 
     """Every pair of the profile in interleaved rounds; writes and returns the results."""
     started = dt.datetime.now()
     works = [w for w in WORK if w.name in {spec.name for spec in profile.models}]
+    sides = {"config": [*SIDES, INDUCTOR_RNG], "none": list(SIDES)}  # without dropout the generators do not matter
     schedule = [(w, dropout, side, r) for w in works for dropout in ("config", "none")
-                for r in range(profile.repeats) for side in round_order(list(SIDES), r)]
+                for r in range(profile.repeats) for side in round_order(sides[dropout], r)]
     log(f"bench compile: {len(schedule)} runs, {profile.repeats} interleaved rounds per pair")
     rows, models = [], {}
     for i, (work, dropout, side, round_) in enumerate(schedule, 1):

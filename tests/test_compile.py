@@ -1,11 +1,12 @@
 """--torch_compile (recipes/model/compilation.py): compiled runs train the eager run's losses, compile a bounded number
 of graphs under dynamic padding, and record graphs, compile time and what was compiled; bad flag values are one line.
 
-The runs use the dropout-free tiny model: inductor draws dropout masks from its own generator (Philox), not from
-torch's CPU stream, so with dropout a compiled run's losses leave the eager run's from the first step (measured:
-1.3e-2 relative at step 1) while training just as well. Without dropout they do the same arithmetic, fused
-differently: measured 1.7e-7 relative at most over 8 steps (one process, DDP, FSDP2 regional, ZeRO-2); the bound
-allows LOSS_RTOL, far below what a real difference (a missed all-reduce, a wrong loss scale) moves (1e-3 and more).
+Most runs use the dropout-free tiny model, so that runs on other world sizes or micro-batches do the same arithmetic:
+measured 1.7e-7 relative at most over 8 steps (one process, DDP, FSDP2 regional, ZeRO-2); the bound allows
+LOSS_RTOL, far below what a real difference (a missed all-reduce, a wrong loss scale) moves (1e-3 and more). With
+dropout, on CPU the compiled model draws its masks from torch's generator as eager does (inductor's fallback_random),
+so one process compiled and eager with dropout agree as closely; with inductor's own generator they differed from
+step 1 (1.3e-2 relative).
 
 The first compile of a graph costs 20-50 s on 2 busy CPU cores; later runs read inductor's cache
 (/tmp/torchinductor_$USER) and compile in about 4 s. So the launches are few and shared by the tests.
@@ -26,14 +27,19 @@ STEPS = ["--max_train_steps", "8", "--logging_steps", "1", "--report_to", "none"
 
 
 @pytest.fixture(scope="module")
-def runs(no_dropout_model, tmp_path_factory) -> dict:
+def runs(tiny_model, no_dropout_model, tmp_path_factory) -> dict:
     """Eager on one process (the reference), compiled on one process, compiled under DDP (2 x 8 samples: the
-    same 16 samples a step); dynamic padding: each step's batch has its own length."""
+    same 16 samples a step), all without dropout; eager and compiled on one process with the model's dropout 0.1;
+    and compiled with inductor's own dropout generator; dynamic padding: each step's batch has its own length."""
     root, model = tmp_path_factory.mktemp("compile"), ["--model_name_or_path", str(no_dropout_model)]
-    plans = {"eager": ([], "single.yaml"), "compiled": (["--torch_compile"], "single.yaml"),
-             "ddp": (["--torch_compile", "--per_device_train_batch_size", "8"], "ddp.yaml")}
+    with_dropout = ["--model_name_or_path", str(tiny_model)]
+    plans = {"eager": ([*model], "single.yaml"), "compiled": ([*model, "--torch_compile"], "single.yaml"),
+             "ddp": ([*model, "--torch_compile", "--per_device_train_batch_size", "8"], "ddp.yaml"),
+             "eager_dropout": (with_dropout, "single.yaml"),
+             "compiled_dropout": ([*with_dropout, "--torch_compile"], "single.yaml"),
+             "inductor_rng": ([*with_dropout, "--torch_compile", "--torch_compile_rng", "inductor"], "single.yaml")}
     for name, (flags, config) in plans.items():
-        run_recipe(root / name, *model, *STEPS, *flags, config=config)
+        run_recipe(root / name, *STEPS, *flags, config=config)
     return {name: root / name for name in plans}
 
 
@@ -64,13 +70,30 @@ def test_compiled_run_trains_the_eager_losses_in_one_graph(runs):
     assert compiled["config"]["torch_compile"] is True
     assert compiled["compile"] == {"backend": "inductor", "mode": "default", "source": "--torch_compile",
                                    "regions": "whole model", "dynamic_dims": ["batch", "length"],
-                                   "by": "accelerator.prepare"}
+                                   "by": "accelerator.prepare",
+                                   "random": "torch's generator (inductor fallback_random)"}
     from safetensors import safe_open
 
     with safe_open(runs["compiled"] / "final" / "model.safetensors", "pt") as f:  # the plain model's names
         assert not [key for key in f.keys() if "_orig_mod" in key] and "classifier.dense.weight" in f.keys()
     eager = json.loads((runs["eager"] / "run_config.json").read_text())
     assert eager["compile"] is None and "graphs" not in read_jsonl(runs["eager"] / "metrics.jsonl")[0]
+
+
+@no_gpu
+def test_compiled_dropout_draws_the_eager_masks_on_cpu(runs):
+    """With dropout the compiled run trains the eager run's losses step for step: the same masks, from torch's
+    generator; and the masks matter here (the losses leave the dropout-free run's from step 1)."""
+    assert_same_losses(runs["compiled_dropout"], runs["eager_dropout"])
+    assert abs(losses(runs["eager_dropout"])[0] - losses(runs["eager"])[0]) > 1e-3
+    assert_bounded_graphs(runs["compiled_dropout"], train_graphs=1)
+    # --torch_compile_rng inductor: inductor's own masks, another loss from step 1 on
+    first, eager_first = losses(runs["inductor_rng"])[0], losses(runs["eager_dropout"])[0]
+    assert abs(first - eager_first) / eager_first > 1e-3
+    records = {name: json.loads((runs[name] / "run_config.json").read_text())["compile"]["random"]
+               for name in ("compiled_dropout", "inductor_rng")}
+    assert records == {"compiled_dropout": "torch's generator (inductor fallback_random)",
+                       "inductor_rng": "inductor's generator"}
 
 
 @pytest.mark.multiproc
@@ -112,6 +135,8 @@ def test_zero2_compiles_through_deepspeed(runs, no_dropout_model, tmp_path):
     (["--compile_regions"], "--torch_compile_mode and --compile_regions go with --torch_compile"),
     (["--torch_compile_mode", "max-autotune"], "--torch_compile_mode and --compile_regions go with --torch_compile"),
     (["--torch_compile", "--data_parallel"], "--torch_compile with --data_parallel: nn.DataParallel's replicas"),
+    (["--torch_compile", "--torch_compile_rng", "philox"], "unknown --torch_compile_rng 'philox' (one of auto, torch, "),
+    (["--torch_compile_rng", "torch"], "--torch_compile_rng goes with --torch_compile"),
 ])
 def test_bad_values_are_one_line(tiny_model, flags, message):
     with pytest.raises(RecipeError) as err:
@@ -128,7 +153,8 @@ def test_fsdp_whole_model_compile_is_refused(tiny_model, monkeypatch):
 
 def test_flags_are_in_help():
     text = HfArgumentParser(Config).format_help()
-    assert all(f"--{name}" in text for name in ("torch_compile", "torch_compile_mode", "compile_regions"))
+    assert all(f"--{name}" in text for name in ("torch_compile", "torch_compile_mode", "compile_regions",
+                                                "torch_compile_rng"))
 
 
 def test_bench_times_only_steps_that_compiled_nothing():

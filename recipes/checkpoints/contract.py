@@ -102,6 +102,7 @@ EXEMPT = {
     "torch_compile": "the same model, compiled",
     "torch_compile_mode": "the same model, compiled",
     "compile_regions": "the same model, compiled",
+    "torch_compile_rng": "dropout masks from another generator, of the same distribution",
     "ddp_find_unused_parameters": "the same gradients",
     "checkpointing_steps": "checkpointing",
     "resume_from_checkpoint": "checkpointing",

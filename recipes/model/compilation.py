@@ -32,6 +32,16 @@ and 3 on one process, 4 and 4 under FSDP2, measured on the tiny model). A batch 
 (torch treats sizes 0 and 1 apart) and adds a graph. `torch._dynamo.config.recompile_limit` (8) is left as it is: a
 run that passed it would fall back to eager for that code with a warning, and the graph count shows it.
 
+Random numbers (--torch_compile_rng): by default, on CPU a compiled model's dropout draws its masks from torch's
+generator, as the eager model does (inductor's `fallback_random`); on GPUs inductor's own generator stays (Philox, fused
+into the kernels; no GPU figure here says otherwise). `torch` or `inductor` chooses either on any device. Measured by
+`make bench BENCH=compile` on 2 CPU cores with the models' dropout 0.1 (results/2026-11-27_compile_cpu_vm.md), compiled
+/ eager speed with torch's generator against inductor's: tiny model 1.155 against 0.977, roberta-base shape 0.937
+against 0.884; with torch's generator the per-step losses stay within 1e-6 of eager's (the same masks), with inductor's
+they leave them from step 1 (3.5e-2 and 1.6e-1 relative at most). Accelerate 1.15.0's TorchDynamoPlugin always passes a
+mode to torch.compile, and torch 2.13.0 refuses a mode with `options`, so the setting is inductor's process-wide config,
+set before the first compiled call (the compile is lazy); `describe` records it in run_config.json.
+
 Saving: Accelerate 1.15.0's `get_state_dict` names the weights of a compiled model `_orig_mod.<name>`;
 `uncompiled_names` gives final/ and best/ the plain model's names.
 
@@ -45,6 +55,7 @@ from __future__ import annotations
 import os
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's modes
+RNG = ("auto", "torch", "inductor")  # --torch_compile_rng
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
 
 
@@ -54,6 +65,10 @@ def flag_problems(cfg) -> list[str]:
         problems.append(f"unknown --torch_compile_mode '{cfg.torch_compile_mode}' (one of {', '.join(MODES)})")
     elif not cfg.torch_compile and (cfg.torch_compile_mode != "default" or cfg.compile_regions):
         problems.append("--torch_compile_mode and --compile_regions go with --torch_compile")
+    if cfg.torch_compile_rng not in RNG:
+        problems.append(f"unknown --torch_compile_rng '{cfg.torch_compile_rng}' (one of {', '.join(RNG)})")
+    elif not cfg.torch_compile and cfg.torch_compile_rng != "auto":
+        problems.append("--torch_compile_rng goes with --torch_compile")
     if cfg.torch_compile and not cfg.compile_regions and os.environ.get("ACCELERATE_USE_FSDP", "false") == "true":
         problems.append("--torch_compile under FSDP needs --compile_regions: the whole model compiled before "
                         "fully_shard breaks its graph at every sharded layer (accelerate 1.15.0, torch 2.13.0)")
@@ -96,7 +111,14 @@ def describe(cfg, accelerator) -> dict | None:
     return {"backend": plugin.backend.value.lower(), "mode": plugin.mode, "source": "--torch_compile" if
             cfg.torch_compile else "launch config", "regions": "encoder layers" if plugin.use_regional_compilation
             else "whole model", "dynamic_dims": ["batch", "length"][:len(dynamic_dims(cfg))],
-            "by": "DeepSpeedEngine.compile" if accelerator.state.deepspeed_plugin else "accelerator.prepare"}
+            "by": "DeepSpeedEngine.compile" if accelerator.state.deepspeed_plugin else "accelerator.prepare",
+            "random": "torch's generator (inductor fallback_random)" if generator_random(cfg, accelerator)
+            else "inductor's generator"}
+
+
+def generator_random(cfg, accelerator) -> bool:
+    """Whether compiled dropout draws from torch's generator: --torch_compile_rng torch, or auto on CPU."""
+    return cfg.torch_compile_rng == "torch" or (cfg.torch_compile_rng == "auto" and accelerator.device.type == "cpu")
 
 
 class CompileWatch:
@@ -106,6 +128,10 @@ class CompileWatch:
     def __init__(self, cfg, accelerator, model):
         self.active = compiles(accelerator)
         if self.active:
+            import torch._inductor.config
+
+            # read when the first call compiles; set either way (a process could have set it before)
+            torch._inductor.config.fallback_random = generator_random(cfg, accelerator)
             dims = dynamic_dims(cfg)
             model.register_forward_pre_hook(lambda module, args, kwargs: mark_dynamic(kwargs, dims), with_kwargs=True)
 
