@@ -54,6 +54,8 @@ def parse_args(argv=None):
     parser.add_argument("--warmup_steps", type=int, default=10, help="alternate: steps not timed (a --block multiple)")
     parser.add_argument("--model_name_or_path", required=True)
     parser.add_argument("--random_init", action="store_true", help="architecture from its config, no weights")
+    parser.add_argument("--pad_to_max_length", action="store_true", help="every batch padded to the recipe's "
+                        "--max_length, as the recipe's flag of that name (scripts/bench_compile.py's fixed shape)")
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--max_train_samples", type=int, required=True, help="= steps x batch size: one epoch")
     parser.add_argument("--max_eval_samples", type=int, help="default: the whole validation split")
@@ -68,7 +70,8 @@ def recipe_config(args) -> Config:
     """The recipe's configuration for the same work: its defaults, with the flags the bench sets."""
     return Config(model_name_or_path=args.model_name_or_path, random_init=args.random_init, output_dir=args.output_dir,
                   max_train_samples=args.max_train_samples, max_eval_samples=args.max_eval_samples,
-                  per_device_train_batch_size=args.batch_size, learning_rate=args.learning_rate, seed=args.seed)
+                  per_device_train_batch_size=args.batch_size, learning_rate=args.learning_rate, seed=args.seed,
+                  pad_to_max_length=args.pad_to_max_length)
 
 
 def hand_loop(cfg, device, train_ds, eval_ds, collate, names, precision, on_step=None):
@@ -342,7 +345,7 @@ def main(argv=None) -> None:
     train_ds, eval_ds, names = data.prepare_datasets(cfg, tokenizer)
     if len(train_ds) % args.batch_size:
         sys.exit(f"error: --max_train_samples ({len(train_ds)}) must be a multiple of --batch_size")
-    collate = data.Collator(tokenizer, cfg.max_length, pad_to_multiple_of=cfg.pad_to_multiple_of)
+    collate = data.Collator(tokenizer, cfg.max_length, cfg.pad_to_max_length, cfg.pad_to_multiple_of)
     if args.kind == "alternate":
         if args.block < 1 or args.warmup_steps % args.block:
             sys.exit(f"error: --warmup_steps ({args.warmup_steps}) must be a multiple of --block ({args.block})")

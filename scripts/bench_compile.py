@@ -1,6 +1,6 @@
 """`make bench BENCH=compile`: the recipe compiled (--torch_compile) beside the recipe eager, on the same work.
 
-    make bench BENCH=compile   # 14.9 min on 2 CPU cores (2026-11-27), about 25 min with inductor's cache cold
+    make bench BENCH=compile   # 14.3 min on 2 CPU cores (2026-11-27), about 25 min with inductor's cache cold
     python scripts/bench_compile.py [--runs_dir runs/bench] [--results_dir results]   # the same
 
 Rows: the tiny model (dynamic padding, as users run it) and the roberta-base shape (random init, batch 8 x 128 fixed
@@ -9,7 +9,9 @@ dropout probabilities 0), fp32, one process with every core (bench.threads_of). 
 take turns in interleaved rounds (E C, C E, ...; round r with seed 42 + r, so both sides of a round train the same
 samples), as the main bench runs its COMPARED runs, and each ratio is taken within a round: compiled / eager speed
 as median with min-max over the rounds. With dropout a third side takes its turn, compiled with inductor's own
-dropout generator (--torch_compile_rng inductor, the GPU default) beside the CPU default, torch's generator.
+dropout generator (--torch_compile_rng inductor, the GPU default) beside the CPU default, torch's generator; without
+dropout the plain loop (scripts/bench_baselines.py loop, the same batches) does, for the recipe's MFU against the
+loop's in the same rounds (recipe / loop speed: the loop's step time over the recipe's eager one).
 
 Per run: the median step time over the steps after the warm-up whose graph count did not grow (a step that compiled
 is compile time, reported apart as compile_s, dynamo and inductor's own count), tokens/s as those steps' mean tokens
@@ -34,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recipes.outputs.records import library_versions, read_jsonl
-from scripts.bench import (ACCELERATE, PROFILES, REPO, Profile, Run, cpu_matmul_flops, execute, free_port,
-                           hardware, progress, run_env, threads_of)
+from scripts.bench import (ACCELERATE, PROFILES, PYTHON, REPO, Profile, Run, cpu_matmul_flops, execute,
+                           free_port, hardware, progress, run_env, threads_of)
 from scripts.bench_report import round_order, slug, spread
 
 SIDES = ("eager", "compiled")
@@ -44,6 +46,9 @@ SIDES = ("eager", "compiled")
 INDUCTOR_RNG = "compiled_inductor_rng"
 SIDE_FLAGS = {"eager": [], "compiled": ["--torch_compile"],
               INDUCTOR_RNG: ["--torch_compile", "--torch_compile_rng", "inductor"]}
+# Without dropout, the plain loop (scripts/bench_baselines.py loop: the same batches, the recipe's losses) takes its
+# turn too: its MFU against the recipe's eager one, in the same rounds
+LOOP = "loop"
 
 
 @dataclass
@@ -75,6 +80,12 @@ def without_dropout(work: Work, runs_dir: Path) -> str:
 
 
 def command(work: Work, model: str, side: str, seed: int, run_dir: Path, threads: int) -> list:
+    if side == LOOP:  # one process, no launcher: as `make bench` runs it
+        return [PYTHON, "scripts/bench_baselines.py", "loop", "--model_name_or_path", model,
+                *(["--random_init"] if work.random_init else []), "--output_dir", str(run_dir), "--seed", str(seed),
+                "--max_train_samples", str(work.steps * work.batch), "--batch_size", str(work.batch),
+                "--max_eval_samples", str(2 * work.batch), "--learning_rate", str(work.learning_rate),
+                "--precision", "fp32", *work.flags]
     return [ACCELERATE, "launch", "--config_file", "accelerate_configs/single.yaml", "--mixed_precision", "no",
             "--main_process_port", str(free_port()), "recipes/cls.py", "--model_name_or_path", model,
             *(["--random_init"] if work.random_init else []), "--output_dir", str(run_dir), "--seed", str(seed),
@@ -148,12 +159,15 @@ def compile_ratios(rows: list) -> dict:
     out = {}
     for key in dict.fromkeys((r["model"], r["dropout"]) for r in rows):
         ok = [r for r in rows if (r["model"], r["dropout"]) == key and r["status"] == "ok"]
-        for side in ("compiled", INDUCTOR_RNG):
+        for side in ("compiled", INDUCTOR_RNG, LOOP):
             pairs = [(e, c) for e in ok for c in ok if e["side"] == "eager" and c["side"] == side
                      and e["round"] == c["round"]]
             if not pairs:
                 continue
-            entry = {"speedup": spread([e["step_time_s"] / c["step_time_s"] for e, c in pairs]),
+            # compiled / eager speed; for the loop the recipe's (eager) / the loop's, so > 1: the recipe is faster
+            speed = [(c["step_time_s"] / e["step_time_s"]) if side == LOOP else (e["step_time_s"] / c["step_time_s"])
+                     for e, c in pairs]
+            entry = {"speedup": spread(speed), "label": "recipe / loop" if side == LOOP else "compiled / eager",
                      "graphs": max(c["graphs"] for _, c in pairs),
                      "train_graphs": max(c["train_graphs"] for _, c in pairs),
                      "compile_s": spread([c["compile_s"] for _, c in pairs]),
@@ -161,7 +175,8 @@ def compile_ratios(rows: list) -> dict:
                      # with dropout: equal where both draw from torch's generator, apart where inductor draws
                      "max_loss_rel_diff": max(abs(a - b) / abs(b) for e, c in pairs
                                               for a, b in zip(c["losses"], e["losses"]))}
-            out[f"{key[0]} dropout {key[1]}" + (", inductor's generator" if side == INDUCTOR_RNG else "")] = entry
+            suffix = {INDUCTOR_RNG: ", inductor's generator", LOOP: ", recipe eager against the plain loop"}
+            out[f"{key[0]} dropout {key[1]}" + suffix.get(side, "")] = entry
     return out
 
 
@@ -186,13 +201,15 @@ def ratio_lines(results: dict) -> list[str]:
     lines = []
     for name, e in results["ratios"].items():
         s = e["speedup"]
-        compiled = next(side for side in e["mfu"] if side != "eager")
-        line = (f"{name}: compiled / eager speed {s['median']:.3f} (min {s['min']:.3f}, max {s['max']:.3f}, "
-                f"{s['rounds']} rounds); MFU eager {e['mfu']['eager']['median']:.3f}, compiled "
-                f"{e['mfu'][compiled]['median']:.3f}; {e['graphs']} graphs ({e['train_graphs']} training), "
-                f"compile {e['compile_s']['median']:.1f} s")
+        other = next(side for side in e["mfu"] if side != "eager")
+        line = (f"{name}: {e.get('label', 'compiled / eager')} speed {s['median']:.3f} (min {s['min']:.3f}, max "
+                f"{s['max']:.3f}, {s['rounds']} rounds); MFU eager {e['mfu']['eager']['median']:.3f}, "
+                f"{'compiled' if other != LOOP else 'loop'} {e['mfu'][other]['median']:.3f}")
+        if other != LOOP:
+            line += f"; {e['graphs']} graphs ({e['train_graphs']} training), compile {e['compile_s']['median']:.1f} s"
         if "max_loss_rel_diff" in e:  # results before 2026-11-27 have it without dropout only
-            line += f"; per-step losses within {e['max_loss_rel_diff']:.1e} (relative) of eager"
+            line += f"; per-step losses within {e['max_loss_rel_diff']:.1e} (relative) of " + (
+                "eager" if other != LOOP else "the recipe's")
         lines.append(line)
     return lines
 
@@ -201,7 +218,7 @@ def run(profile: Profile, runs_dir: Path, results_dir: Path, command_line: str, 
     """Every pair of the profile in interleaved rounds; writes and returns the results."""
     started = dt.datetime.now()
     works = [w for w in WORK if w.name in {spec.name for spec in profile.models}]
-    sides = {"config": [*SIDES, INDUCTOR_RNG], "none": list(SIDES)}  # without dropout the generators do not matter
+    sides = {"config": [*SIDES, INDUCTOR_RNG], "none": [*SIDES, LOOP]}  # without dropout the generators do not matter
     schedule = [(w, dropout, side, r) for w in works for dropout in ("config", "none")
                 for r in range(profile.repeats) for side in round_order(sides[dropout], r)]
     log(f"bench compile: {len(schedule)} runs, {profile.repeats} interleaved rounds per pair")

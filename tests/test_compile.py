@@ -173,6 +173,12 @@ def test_bench_times_only_steps_that_compiled_nothing():
              "graphs": 2, "train_graphs": 1, "compile_s": 4.0, "mfu": 0.5, "losses": [1.0, loss]}
             for side, r, s, loss in (("eager", 0, 1.0, 1.0), ("compiled", 0, 0.8, 1.00001), ("eager", 1, 2.0, 1.0),
                                      ("compiled", 1, 2.0, 1.0))]
-    ratios = compile_ratios(rows)["tiny dropout none"]
-    assert ratios["speedup"] == {"median": 1.125, "min": 1.0, "max": 1.25, "rounds": 2}
-    assert ratios["max_loss_rel_diff"] == pytest.approx(1e-5)
+    rows += [{**rows[0], "side": "loop", "round": r, "step_time_s": s, "mfu": 0.4} for r, s in ((0, 1.1), (1, 1.8))]
+    ratios = compile_ratios(rows)
+    compiled, loop = ratios["tiny dropout none"], ratios["tiny dropout none, recipe eager against the plain loop"]
+    assert compiled["speedup"] == {"median": 1.125, "min": 1.0, "max": 1.25, "rounds": 2}
+    assert compiled["max_loss_rel_diff"] == pytest.approx(1e-5) and compiled["label"] == "compiled / eager"
+    # the loop's step time over the recipe's: 1.1 / 1.0 and 1.8 / 2.0
+    assert loop["speedup"] == {"median": 1.0, "min": 0.9, "max": 1.1, "rounds": 2} and loop["label"] == "recipe / loop"
+    assert loop["mfu"] == {"eager": {"median": 0.5, "min": 0.5, "max": 0.5, "rounds": 2},
+                           "loop": {"median": 0.4, "min": 0.4, "max": 0.4, "rounds": 2}}

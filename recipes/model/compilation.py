@@ -36,11 +36,12 @@ Random numbers (--torch_compile_rng): by default, on CPU a compiled model's drop
 generator, as the eager model does (inductor's `fallback_random`); on GPUs inductor's own generator stays (Philox, fused
 into the kernels; no GPU figure here says otherwise). `torch` or `inductor` chooses either on any device. Measured by
 `make bench BENCH=compile` on 2 CPU cores with the models' dropout 0.1 (results/2026-11-27_compile_cpu_vm.md), compiled
-/ eager speed with torch's generator against inductor's: tiny model 1.155 against 0.977, roberta-base shape 0.937
-against 0.884; with torch's generator the per-step losses stay within 1e-6 of eager's (the same masks), with inductor's
-they leave them from step 1 (3.5e-2 and 1.6e-1 relative at most). Accelerate 1.15.0's TorchDynamoPlugin always passes a
-mode to torch.compile, and torch 2.13.0 refuses a mode with `options`, so the setting is inductor's process-wide config,
-set before the first compiled call (the compile is lazy); `describe` records it in run_config.json.
+/ eager speed with torch's generator against inductor's, in two runs: tiny model 1.155 against 0.977 and 0.948 against
+0.901, roberta-base shape 0.937 against 0.884 and 0.977 against 0.909 (docs/speed.md); with torch's generator the
+per-step losses stay within 1e-6 of eager's (the same masks), with inductor's they leave them from step 1 (3.5e-2 and
+1.6e-1 relative at most). Accelerate 1.15.0's TorchDynamoPlugin always passes a mode to torch.compile, and torch 2.13.0
+refuses a mode with `options`, so the setting is inductor's process-wide config, set before the first compiled call (the
+compile is lazy); `describe` records it in run_config.json.
 
 Saving: Accelerate 1.15.0's `get_state_dict` names the weights of a compiled model `_orig_mod.<name>`;
 `uncompiled_names` gives final/ and best/ the plain model's names.
