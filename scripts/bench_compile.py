@@ -49,6 +49,10 @@ SIDE_FLAGS = {"eager": [], "compiled": ["--torch_compile"],
 # Without dropout, the plain loop (scripts/bench_baselines.py loop: the same batches, the recipe's losses) takes its
 # turn too: its MFU against the recipe's eager one, in the same rounds
 LOOP = "loop"
+# each side compared with eager: (the ratio's name after the pair's, what its speed is, the side's name in the MFU)
+VERSUS_EAGER = {"compiled": ("", "compiled / eager", "compiled"),
+                INDUCTOR_RNG: (", inductor's generator", "compiled / eager", "compiled"),
+                LOOP: (", recipe eager against the plain loop", "recipe / loop", "loop")}
 
 
 @dataclass
@@ -159,7 +163,7 @@ def compile_ratios(rows: list) -> dict:
     out = {}
     for key in dict.fromkeys((r["model"], r["dropout"]) for r in rows):
         ok = [r for r in rows if (r["model"], r["dropout"]) == key and r["status"] == "ok"]
-        for side in ("compiled", INDUCTOR_RNG, LOOP):
+        for side, (suffix, label, _) in VERSUS_EAGER.items():
             pairs = [(e, c) for e in ok for c in ok if e["side"] == "eager" and c["side"] == side
                      and e["round"] == c["round"]]
             if not pairs:
@@ -167,7 +171,7 @@ def compile_ratios(rows: list) -> dict:
             # compiled / eager speed; for the loop the recipe's (eager) / the loop's, so > 1: the recipe is faster
             speed = [(c["step_time_s"] / e["step_time_s"]) if side == LOOP else (e["step_time_s"] / c["step_time_s"])
                      for e, c in pairs]
-            entry = {"speedup": spread(speed), "label": "recipe / loop" if side == LOOP else "compiled / eager",
+            entry = {"speedup": spread(speed), "label": label,
                      "graphs": max(c["graphs"] for _, c in pairs),
                      "train_graphs": max(c["train_graphs"] for _, c in pairs),
                      "compile_s": spread([c["compile_s"] for _, c in pairs]),
@@ -175,8 +179,7 @@ def compile_ratios(rows: list) -> dict:
                      # with dropout: equal where both draw from torch's generator, apart where inductor draws
                      "max_loss_rel_diff": max(abs(a - b) / abs(b) for e, c in pairs
                                               for a, b in zip(c["losses"], e["losses"]))}
-            suffix = {INDUCTOR_RNG: ", inductor's generator", LOOP: ", recipe eager against the plain loop"}
-            out[f"{key[0]} dropout {key[1]}" + suffix.get(side, "")] = entry
+            out[f"{key[0]} dropout {key[1]}{suffix}"] = entry
     return out
 
 
@@ -204,7 +207,7 @@ def ratio_lines(results: dict) -> list[str]:
         other = next(side for side in e["mfu"] if side != "eager")
         line = (f"{name}: {e.get('label', 'compiled / eager')} speed {s['median']:.3f} (min {s['min']:.3f}, max "
                 f"{s['max']:.3f}, {s['rounds']} rounds); MFU eager {e['mfu']['eager']['median']:.3f}, "
-                f"{'compiled' if other != LOOP else 'loop'} {e['mfu'][other]['median']:.3f}")
+                f"{VERSUS_EAGER[other][2]} {e['mfu'][other]['median']:.3f}")
         if other != LOOP:
             line += f"; {e['graphs']} graphs ({e['train_graphs']} training), compile {e['compile_s']['median']:.1f} s"
         if "max_loss_rel_diff" in e:  # results before 2026-11-27 have it without dropout only
