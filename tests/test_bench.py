@@ -650,3 +650,42 @@ def test_mfu_divides_by_every_device_the_run_computed_on():
     assert bench.compute_devices(world=1, effective_batch=16, per_device_batch=16, on_gpus=False) == 1
     assert bench.compute_devices(world=1, effective_batch=64, per_device_batch=16, on_gpus=True) == 4
     assert bench.compute_devices(world=8, effective_batch=128, per_device_batch=16, on_gpus=True) == 8
+
+
+def test_startup_bench_times_each_side_to_its_first_step_and_stops_it(tmp_path):
+    """scripts/bench_startup.py on a 96-row cut of its data, one cold launch of each side: each side's clock stops at
+    its first record, written after the first optimizer step (the recipe's, the loop's and the Trainer's, at the
+    loss of an untrained 2-class head), and the launch is stopped there (the recipe's 2-step run never saves final/)."""
+    import math
+
+    from scripts import bench_startup
+
+    data = tmp_path / "data"
+    assert bench_startup.write_data(data, limit=96) == {"train": 96, "validation": 96}
+    env = {**bench.run_env(2, 1), "HF_DATASETS_CACHE": str(tmp_path / "cache")}
+    for side in bench_startup.SIDES:
+        out = tmp_path / side
+        seconds = bench_startup.time_to_first_step(bench_startup.command(side, data, out), out, env)
+        first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+        print(f"{side}: first step after {seconds:.1f} s, loss {first['loss']:.4f}")
+        assert seconds > 0 and first["step"] == 1 and abs(first["loss"] - math.log(2)) < 0.1
+        assert not (out / "final").exists()
+    # the three cold launches filled the cache a warm launch reads: the CSV conversions and the tokenizing maps
+    assert len(list((tmp_path / "cache").rglob("*.arrow"))) >= 3
+
+
+def test_startup_ratios_pair_the_sides_within_each_round():
+    from scripts import bench_startup
+
+    times = {"recipe": {"cold": [10.0, 12.0, 11.0], "warm": [6.0, 6.6, 6.3]},
+             "loop": {"cold": [8.0, 12.0, 10.0], "warm": [6.0, 6.0, 6.0]},
+             "trainer": {"cold": [10.0, 10.0, 11.0], "warm": [6.0, 6.0, 7.0]}}
+    got = bench_startup.ratios(times)
+    assert got["recipe / trainer, cold cache"]["per_round"] == [1.0, 1.2, 1.0]
+    assert got["recipe / trainer, cold cache"]["median"] == 1.0 and got["recipe / loop, cold cache"]["max"] == 1.25
+    assert got["recipe / loop, warm cache"]["per_round"] == pytest.approx([1.0, 1.1, 1.05])
+    ci = got["recipe / loop, warm cache"]["ci95"]
+    assert ci[0] < 1.05 < ci[1] and got["recipe / loop, warm cache"]["mean"] == pytest.approx(1.05)
+    assert "| recipe / loop, warm cache | 1.050 | 1.000-1.100 |" in bench_startup.render(
+        {"date": "d", "rounds": 3, "threads": 2, "rows": {"train": 1, "validation": 1}, "seconds": times,
+         "ratios": got, "took_min": 1.0})

@@ -330,3 +330,17 @@ def test_deepspeed_figures_equal_their_record():
                      f"explicit sizes**, the same {sent_mib('zero3_base')} MiB sent; on the tiny model {tiny_auto_rs} "
                      f"and {tiny_auto_ag} before, {tiny_rs} and {tiny_ag} after"):
         assert fragment in section, fragment
+
+
+def test_speed_page_quotes_the_latest_startup_results():
+    """docs/speed.md gives each launch-to-first-step ratio of the latest `make bench BENCH=startup` (median and 95% t
+    interval) and names its results file."""
+    stem, results = latest_results("startup")
+    speed = (REPO / "docs" / "speed.md").read_text()
+    assert f"results/{stem}.md" in speed
+    assert len(results["ratios"]) == 4
+    for name, entry in results["ratios"].items():
+        other, cache = name.split(", ")
+        row = (f"| {other.replace('trainer', 'Trainer')}, {cache} | {entry['median']:.3f} | "
+               f"{entry['ci95'][0]:.3f}-{entry['ci95'][1]:.3f} |")
+        assert row in speed, row

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+import sys
 import time
 
 import pytest
@@ -221,3 +222,26 @@ def test_conflicting_deepspeed_json_is_refused_at_start_up(tiny_model, tmp_path)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert errors and "gradient_accumulation_steps=4" in errors[0] and "--gradient_accumulation_steps 1" in errors[0]
     assert not out.exists()
+
+
+def test_unwrapping_imports_no_deepspeed_until_a_run_has(tmp_path):
+    """strategy.unwrap_without_importing_deepspeed: Accelerate 1.15.0's extract_model_from_parallel imported deepspeed
+    (and with it mlflow) in every run to test for an engine; now a plain wrapper unwraps without the import, and once
+    deepspeed is imported a DeepSpeedEngine unwraps as before. In a fresh interpreter: this one imported it long ago."""
+    code = "\n".join([
+        "import sys, torch",
+        "from accelerate.utils import extract_model_from_parallel",
+        "from recipes.training import strategy",
+        "strategy.unwrap_without_importing_deepspeed(); strategy.unwrap_without_importing_deepspeed()  # once",
+        "inner = torch.nn.Linear(2, 2)",
+        "found = [extract_model_from_parallel(torch.nn.DataParallel(inner)) is inner, 'deepspeed' in sys.modules]",
+        "import deepspeed",
+        "class Engine(deepspeed.DeepSpeedEngine):",
+        "    def __init__(self, module):",
+        "        torch.nn.Module.__init__(self)",
+        "        self.module = module",
+        "found.append(extract_model_from_parallel(Engine(inner)) is inner)",
+        "print(found)"])
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[True, False, True]"
