@@ -2,6 +2,8 @@
 
     make bench BENCH=compile   # 14.3 min on 2 CPU cores (2026-11-27), about 25 min with inductor's cache cold
     python scripts/bench_compile.py [--runs_dir runs/bench] [--results_dir results]   # the same
+    python scripts/bench_compile.py --models roberta-base --dropout none --sides eager loop --rounds 8 --tag loop
+                               # one pair only, more rounds: results/<date>_compile-loop_<device>_<host>.{json,md}
 
 Rows: the tiny model (dynamic padding, as users run it) and the roberta-base shape (random init, batch 8 x 128 fixed
 by --pad_to_max_length), each with its config's dropout (0.1) and without dropout (a copy of its config with both
@@ -27,6 +29,7 @@ Results: results/<date>_compile_<device>_<host>.{json,md}.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import shutil
@@ -217,12 +220,22 @@ def ratio_lines(results: dict) -> list[str]:
     return lines
 
 
-def run(profile: Profile, runs_dir: Path, results_dir: Path, command_line: str, log=progress) -> dict:
-    """Every pair of the profile in interleaved rounds; writes and returns the results."""
+# The sides of each dropout setting: without dropout the generators do not matter, and the loop has none
+SIDES_OF = {"config": [*SIDES, INDUCTOR_RNG], "none": [*SIDES, LOOP]}
+
+
+def run(profile: Profile, runs_dir: Path, results_dir: Path, command_line: str, log=progress, only=None,
+        tag: str = "") -> dict:
+    """Every pair of the profile in interleaved rounds; writes and returns the results. `only` keeps some of them:
+    {"models": names, "dropout": settings, "sides": names} (each None for all); `tag` names the results file
+    <date>_compile-<tag>_..., apart from the whole bench's."""
+    only = only or {}
     started = dt.datetime.now()
-    works = [w for w in WORK if w.name in {spec.name for spec in profile.models}]
-    sides = {"config": [*SIDES, INDUCTOR_RNG], "none": [*SIDES, LOOP]}  # without dropout the generators do not matter
-    schedule = [(w, dropout, side, r) for w in works for dropout in ("config", "none")
+    works = [w for w in WORK if w.name in {spec.name for spec in profile.models}
+             and w.name in (only.get("models") or [w.name])]
+    sides = {dropout: [side for side in names if side in (only.get("sides") or names)]
+             for dropout, names in SIDES_OF.items() if dropout in (only.get("dropout") or SIDES_OF)}
+    schedule = [(w, dropout, side, r) for w in works for dropout in sides
                 for r in range(profile.repeats) for side in round_order(sides[dropout], r)]
     log(f"bench compile: {len(schedule)} runs, {profile.repeats} interleaved rounds per pair")
     rows, models = [], {}
@@ -242,7 +255,8 @@ def run(profile: Profile, runs_dir: Path, results_dir: Path, command_line: str, 
                         for w in works},
                "runs": rows, "ratios": compile_ratios(rows)}
     results_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{results['date']}_compile_{slug(results['hardware']['device'])}_{slug(results['hardware']['host'])}"
+    kind = f"compile-{tag}" if tag else "compile"
+    stem = f"{results['date']}_{kind}_{slug(results['hardware']['device'])}_{slug(results['hardware']['host'])}"
     (results_dir / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     (results_dir / f"{stem}.md").write_text(markdown(results))
     log("\n".join(["", *ratio_lines(results), "", f"wrote {results_dir / stem}.{{json,md}}"]))
@@ -253,9 +267,20 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs_dir", default=str(REPO / "runs" / "bench"))
     parser.add_argument("--results_dir", default=str(REPO / "results"))
+    parser.add_argument("--models", nargs="+", choices=[w.name for w in WORK], help="default: both")
+    parser.add_argument("--dropout", nargs="+", choices=list(SIDES_OF), help="default: both settings")
+    parser.add_argument("--sides", nargs="+", choices=list(SIDE_FLAGS) + [LOOP], help="default: every side")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default: the compile profile's)")
+    parser.add_argument("--tag", default="", help="results/<date>_compile-<tag>_...: a partial run's own file")
     args = parser.parse_args(argv)
-    run(PROFILES["compile"], Path(args.runs_dir).resolve(), Path(args.results_dir),
-        "python scripts/bench_compile.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    if (args.models or args.dropout or args.sides or args.rounds) and not args.tag:
+        parser.error("a partial or longer run needs --tag: its results file is not the whole bench's")
+    profile = PROFILES["compile"]
+    if args.rounds:
+        profile = dataclasses.replace(profile, repeats=args.rounds)
+    run(profile, Path(args.runs_dir).resolve(), Path(args.results_dir),
+        "python scripts/bench_compile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        only={"models": args.models, "dropout": args.dropout, "sides": args.sides}, tag=args.tag)
 
 
 if __name__ == "__main__":

@@ -182,3 +182,34 @@ def test_bench_times_only_steps_that_compiled_nothing():
     assert loop["speedup"] == {"median": 1.0, "min": 0.9, "max": 1.1, "rounds": 2} and loop["label"] == "recipe / loop"
     assert loop["mfu"] == {"eager": {"median": 0.5, "min": 0.5, "max": 0.5, "rounds": 2},
                            "loop": {"median": 0.4, "min": 0.4, "max": 0.4, "rounds": 2}}
+
+
+def test_bench_runs_only_the_chosen_pair_in_its_own_results_file(monkeypatch, tmp_path):
+    """scripts/bench_compile.py --models/--dropout/--sides/--rounds/--tag: the chosen sides of the chosen pair in
+    interleaved rounds (E L, L E, ...), written to results/<date>_compile-<tag>_..., never over the whole bench's."""
+    import dataclasses
+
+    from scripts import bench, bench_compile
+
+    calls = []
+
+    def one_run(work, model, dropout, side, round_, runs_dir, timeout):
+        calls.append((work.name, dropout, side, round_))
+        return {"model": work.name, "dropout": dropout, "side": side, "round": round_, "status": "ok",
+                "step_time_s": 1.0 if side == "eager" else 1.1, "tokens_per_s": 1.0, "mfu": 0.5, "matmul_flops": 1e9,
+                "graphs": 0, "train_graphs": 0, "compile_s": 0.0, "losses": [1.0]}
+
+    monkeypatch.setattr(bench_compile, "one_run", one_run)
+    monkeypatch.setattr(bench_compile, "without_dropout", lambda work, runs_dir: "copy")
+    profile = dataclasses.replace(bench.PROFILES["compile"], repeats=3)
+    results = bench_compile.run(profile, tmp_path, tmp_path, "cmd", log=lambda line: None, tag="loop",
+                                only={"models": ["roberta-base"], "dropout": ["none"], "sides": ["eager", "loop"]})
+    assert calls == [("roberta-base", "none", side, r) for r, sides in enumerate(
+        (("eager", "loop"), ("loop", "eager"), ("eager", "loop"))) for side in sides]
+    entry = results["ratios"]["roberta-base dropout none, recipe eager against the plain loop"]
+    assert list(results["ratios"]) == ["roberta-base dropout none, recipe eager against the plain loop"]
+    assert entry["speedup"]["median"] == pytest.approx(1.1) and entry["speedup"]["rounds"] == 3
+    assert [p.name for p in tmp_path.glob("*compile*")] and all(
+        p.name.split("_")[1] == "compile-loop" for p in tmp_path.glob("*.json"))
+    with pytest.raises(SystemExit):  # a partial run without its own file name
+        bench_compile.main(["--sides", "eager", "loop"])

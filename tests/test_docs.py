@@ -344,3 +344,24 @@ def test_speed_page_quotes_the_latest_startup_results():
         row = (f"| {other.replace('trainer', 'Trainer')}, {cache} | {entry['median']:.3f} | "
                f"{entry['ci95'][0]:.3f}-{entry['ci95'][1]:.3f} |")
         assert row in speed, row
+
+
+def test_speed_page_quotes_the_latest_recipe_against_loop_rounds():
+    """docs/speed.md's 8-round recipe / loop figures (`bench_compile.py ... --tag loop`): the median with min and
+    max as that bench computed them, and the mean with its 95% t interval recomputed here from the rounds' step times."""
+    from scripts.sweep import summary
+
+    stem, results = latest_results("compile-loop")
+    speed = (REPO / "docs" / "speed.md").read_text()
+    assert f"results/{stem}.md" in speed
+    (entry,) = results["ratios"].values()
+    s = entry["speedup"]
+    assert " ".join(f"loop speed {s['median']:.3f} (min {s['min']:.3f}, max {s['max']:.3f})".split()) in " ".join(
+        speed.split())
+    step = {(r["side"], r["round"]): r["step_time_s"] for r in results["runs"]}
+    per_round = [step["loop", r] / step["eager", r] for r in range(s["rounds"])]
+    stats = summary(per_round)
+    assert f"mean {stats['mean']:.3f} with a 95% t interval of {stats['ci95'][0]:.3f}-{stats['ci95'][1]:.3f}" in \
+        " ".join(speed.split())
+    assert (f"MFU {entry['mfu']['eager']['median']:.3f} against {entry['mfu']['loop']['median']:.3f}"
+            in " ".join(speed.split()))
