@@ -271,6 +271,7 @@ def main(cfg: Config) -> dict:
     strategy.complete_plugins(accelerator, cfg, model)  # DeepSpeed's "auto" values, FSDP's wrapped classes
     start = elastic.prepare_universal(accelerator, start)  # ZeRO on another world size: universal checkpoint
     model, optimizer, loaders.train, scheduler = accelerator.prepare(model, optimizer, loaders.train, scheduler)
+    strategy.hold_until_exit(model)  # never freed when main returns: a DDP teardown deadlock (torch 2.13.0, gloo)
     strategy.check_engine(accelerator, cfg, model)  # the engine steps, clips and computes as the flags say
     loaders.eval = accelerator.prepare(loaders.eval)
     loaders.extra_eval = [(prefix, accelerator.prepare(data.eval_loader(cfg, ds, tokenizer)))

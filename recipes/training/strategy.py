@@ -438,6 +438,22 @@ def explained(err: Exception) -> RecipeError | None:
     return None
 
 
+_HELD: list = []
+
+
+def hold_until_exit(model) -> None:
+    """Keep the prepared model alive until `exit_process` ends the process, which frees nothing.
+
+    torch 2.13.0: freeing a DDP model frees its Reducer, whose destructor destroys the gloo process group it holds on
+    the freeing thread, which holds the GIL, and joins gloo's run-loop thread there; that thread may be freeing a
+    finished work whose tensors Python owns (an all-gather inside a barrier), which needs the GIL: a deadlock. Seen
+    once in a suite run, when cls.main returned and its frame freed the model: rank 1 hung after the run had ended
+    (gdb: the main thread in ~ProcessGroupGloo -> std::thread::join, pt_gloo_runloop in ~AsyncAllgatherWork ->
+    decref -> take_gil). Held here, the model outlives main; a later call in the same process (tests, the bench's
+    `alternate`) replaces it, and one process has no group to destroy."""
+    _HELD[:] = [model]
+
+
 def exit_process(code: int) -> NoReturn:
     """Leave the process with `code` once the run is over, without tearing the interpreter down.
 
