@@ -101,7 +101,8 @@ def run_rounds(rounds: int, runs_dir: Path) -> tuple[dict, dict]:
     for side in SIDES:  # not counted: the libraries into the page cache
         env = {**run_env(threads, 1), "HF_DATASETS_CACHE": str(runs_dir / "cache" / f"{side}_warmup")}
         shutil.rmtree(env["HF_DATASETS_CACHE"], ignore_errors=True)
-        progress(f"startup warm-up {side}: {time_to_first_step(command(side, data, runs_dir / side), runs_dir / side, env):.2f} s")
+        seconds = time_to_first_step(command(side, data, runs_dir / side), runs_dir / side, env)
+        progress(f"startup warm-up {side}: {seconds:.2f} s")
     for r in range(rounds):
         for side in round_order(list(SIDES), r):
             cache = runs_dir / "cache" / f"{side}_{r}"

@@ -348,7 +348,8 @@ def test_speed_page_quotes_the_latest_startup_results():
 
 def test_speed_page_quotes_the_latest_recipe_against_loop_rounds():
     """docs/speed.md's 8-round recipe / loop figures (`bench_compile.py ... --tag loop`): the median with min and
-    max as that bench computed them, and the mean with its 95% t interval recomputed here from the rounds' step times."""
+    max as that bench computed them, and the mean with its 95% t interval recomputed here from the rounds' step
+    times."""
     from scripts.sweep import summary
 
     stem, results = latest_results("compile-loop")
