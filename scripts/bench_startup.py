@@ -97,22 +97,25 @@ def run_rounds(rounds: int, runs_dir: Path) -> tuple[dict, dict]:
     data = runs_dir / "data"
     rows = write_data(data)
     threads = threads_of(1)
+
+    def launches(side: str, cache: Path, kinds) -> list[float]:
+        """One launch of `side` per kind, all with datasets cache `cache`, empty at the first (then removed)."""
+        shutil.rmtree(cache, ignore_errors=True)
+        env = {**run_env(threads, 1), "HF_DATASETS_CACHE": str(cache)}
+        seconds = [time_to_first_step(command(side, data, runs_dir / side), runs_dir / side, env) for _ in kinds]
+        shutil.rmtree(cache, ignore_errors=True)
+        return seconds
+
     times = {side: {cache: [] for cache in CACHES} for side in SIDES}
     for side in SIDES:  # not counted: the libraries into the page cache
-        env = {**run_env(threads, 1), "HF_DATASETS_CACHE": str(runs_dir / "cache" / f"{side}_warmup")}
-        shutil.rmtree(env["HF_DATASETS_CACHE"], ignore_errors=True)
-        seconds = time_to_first_step(command(side, data, runs_dir / side), runs_dir / side, env)
+        (seconds,) = launches(side, runs_dir / "cache" / f"{side}_warmup", ["warm-up"])
         progress(f"startup warm-up {side}: {seconds:.2f} s")
     for r in range(rounds):
         for side in round_order(list(SIDES), r):
-            cache = runs_dir / "cache" / f"{side}_{r}"
-            shutil.rmtree(cache, ignore_errors=True)
-            env = {**run_env(threads, 1), "HF_DATASETS_CACHE": str(cache)}
-            for kind in CACHES:  # the cold launch fills the folder the warm one reads
-                seconds = time_to_first_step(command(side, data, runs_dir / side), runs_dir / side, env)
+            # the cold launch fills the folder the warm one reads
+            for kind, seconds in zip(CACHES, launches(side, runs_dir / "cache" / f"{side}_{r}", CACHES)):
                 times[side][kind].append(seconds)
                 progress(f"startup round {r} {side} {kind}: {seconds:.2f} s")
-            shutil.rmtree(cache, ignore_errors=True)
     return times, {"rows": rows, "threads": threads}
 
 
