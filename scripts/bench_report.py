@@ -204,6 +204,16 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
+def unused_stem(directory: Path, stem: str, suffixes=(".json", ".md")) -> str:
+    """`stem`, or `stem-2`, `stem-3`, ... where no file of these suffixes exists yet: a second check on the same day
+    (a GPU lent twice) keeps the first one's results instead of overwriting the figures its pages cite."""
+    name, n = stem, 1
+    while any((directory / f"{name}{suffix}").exists() for suffix in suffixes):
+        n += 1
+        name = f"{stem}-{n}"
+    return name
+
+
 def mib(value):
     return None if value is None else value / MIB
 

@@ -925,11 +925,12 @@ def fp16_lines(results: dict) -> list[str]:
 
 
 def write_results(results: dict, results_dir: Path) -> dict:
-    from scripts.bench_report import slug
+    from scripts.bench_report import slug, unused_stem
 
     gpu = results["hardware"]["gpu"]
-    stem = f"gpu_check_{results['date']}_{slug(str(gpu['count']) + 'x ' + (gpu['names'] or ['gpu'])[0])}"
     results_dir.mkdir(parents=True, exist_ok=True)
+    stem = unused_stem(results_dir,
+                       f"gpu_check_{results['date']}_{slug(str(gpu['count']) + 'x ' + (gpu['names'] or ['gpu'])[0])}")
     paths = {"json": results_dir / f"{stem}.json", "md": results_dir / f"{stem}.md"}
     paths["json"].write_text(json.dumps(results, indent=2) + "\n")
     paths["md"].write_text(render_markdown(results))

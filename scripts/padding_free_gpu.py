@@ -14,6 +14,10 @@ micro-batch:
    and in fp32 (fp32 never takes varlen: flash kernels are fp16/bf16 only).
 2. Speed, train mode, bf16 autocast: forward + backward of the same micro-batches, 3 interleaved rounds after a
    warm-up, the best round of each; the speed-up over padded beside the bound P / R (padded positions / real tokens).
+3. The GPU's own time: one more round of each path under torch.profiler, the sum of its CUDA kernels' durations.
+   Its ratio (padded / path) is what the path saves on the device; the kernel time over the wall time of the round
+   says whether the GPU was the bound (near 1) or waited on the host (Python, kernel launches: near 0), where no
+   method that removes positions can show its saving in the wall time.
 Results: results/gpu_check_padding_free_<date>_<gpu slug>.{json,md} (beside make gpu-check's own).
 """
 from __future__ import annotations
@@ -21,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import re
 import time
 import types
 from pathlib import Path
@@ -32,6 +35,7 @@ from recipes import cls
 from recipes.inputs import data
 from recipes.model import padding_free as pf
 from recipes.model.source import load_tokenizer
+from scripts.bench_report import slug, unused_stem
 
 REPO = Path(__file__).resolve().parent.parent
 AUTOCAST = "cuda"  # the device type of the bf16 autocast
@@ -92,6 +96,17 @@ def timed(model, batches, path: str) -> float:
     return time.perf_counter() - start
 
 
+def kernel_seconds(model, batches, path: str) -> tuple[float, float]:
+    """(sum of the CUDA kernels' durations, wall time) of one round under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = timed(model, batches, path)
+    kernels = sum(e.self_device_time_total for e in prof.key_averages()
+                  if e.device_type == torch.autograd.DeviceType.CUDA)
+    return kernels / 1e6, wall
+
+
 def speed(model, padded, packed, rounds: int = 3) -> dict:
     model.train()
     sets = {"padded": padded, "varlen": packed, "grouped": packed}
@@ -104,14 +119,19 @@ def speed(model, padded, packed, rounds: int = 3) -> dict:
     real = sum(int(b["attention_mask"].sum()) for b in padded)
     positions = sum(b["attention_mask"].numel() for b in padded)
     best = {path: min(v) for path, v in seconds.items()}
+    device = {path: kernel_seconds(model, sets[path], path) for path in sets}
     return {"seconds": seconds, "real_tokens": real, "padded_positions": positions, "bound": positions / real,
-            "speedup": {path: best["padded"] / best[path] for path in ("varlen", "grouped")}}
+            "speedup": {path: best["padded"] / best[path] for path in ("varlen", "grouped")},
+            "kernel_seconds": {path: k for path, (k, _) in device.items()},
+            "kernel_share": {path: k / wall for path, (k, wall) in device.items()},
+            "kernel_speedup": {path: device["padded"][0] / device[path][0] if device[path][0] else float("nan")
+                               for path in ("varlen", "grouped")}}  # nan: no CUDA kernel recorded
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default=str(REPO / "artifacts" / "roberta-base-shape"))
-    parser.add_argument("--batch_sizes", default="16,64")
+    parser.add_argument("--batch_sizes", default="16,64,256")
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--results", default=str(REPO / "results"))
     args = parser.parse_args(argv)
@@ -119,6 +139,9 @@ def main(argv=None) -> int:
         print(f"padding_free_gpu: needs a CUDA GPU and torch's varlen_attn (torch {torch.__version__}): nothing run")
         return 0
     model = model_of(Path(args.shape))
+    name = torch.cuda.get_device_name()
+    results = Path(args.results)
+    stem = results / unused_stem(results, f"gpu_check_padding_free_{dt.date.today()}_{slug(name)}")
     rows = []
     for size in [int(s) for s in args.batch_sizes.split(",")]:
         cfg = cls.parse_config(["--model_name_or_path", args.shape, "--per_device_train_batch_size", str(size),
@@ -132,25 +155,36 @@ def main(argv=None) -> int:
                **speed(model, padded, packed)}
         rows.append(row)
         print(json.dumps(row))
-    pf._VARLEN = KERNEL
-    name = torch.cuda.get_device_name()
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-    stem = Path(args.results) / f"gpu_check_padding_free_{dt.date.today()}_{slug}"
-    result = {"gpu": name, "torch": torch.__version__, "shape": args.shape, "rows": rows}
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    lines = [f"# Padding-free attention on {name} ({dt.date.today()}, torch {torch.__version__})", "",
-             "scripts/padding_free_gpu.py: roberta-base shape, random init (seed 42), dropout 0, the default data's "
-             "first micro-batches; speed: forward + backward in bf16 autocast, best of 3 interleaved rounds.", "",
-             "| batch | micro-batches | bound P/R | varlen speed-up | grouped speed-up | varlen / bound | "
-             "max \\|Δlogit\\| varlen bf16 | grouped bf16 | grouped fp32 |", "|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
-    for row in rows:
-        d, s = row["max_abs_logit_diff"], row["speedup"]
-        lines.append(f"| {row['batch']} | {row['batches']} | {row['bound']:.3f} | {s['varlen']:.3f}x | "
-                     f"{s['grouped']:.3f}x | {s['varlen'] / row['bound']:.3f} | {d['varlen_bf16']:.2e} | "
-                     f"{d['grouped_bf16']:.2e} | {d['grouped_fp32']:.2e} |")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        pf._VARLEN = KERNEL
+        # after every batch size: a run cut short by a time limit keeps the sizes it finished
+        write_results({"gpu": name, "date": str(dt.date.today()), "torch": torch.__version__, "shape": args.shape,
+                       "rows": rows}, stem)
     print(stem.with_suffix(".md").read_text())
     return 0
+
+
+def write_results(result: dict, stem: Path) -> None:
+    """<stem>.json (the rows as measured) and <stem>.md (their table)."""
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    lines = [f"# Padding-free attention on {result['gpu']} ({result['date']}, torch {result['torch']})", "",
+             "scripts/padding_free_gpu.py: roberta-base shape, random init (seed 42), dropout 0, the default data's "
+             "first micro-batches; speed: forward + backward in bf16 autocast, best of 3 interleaved rounds; kernel "
+             "time: the sum of the CUDA kernels' durations in one more round under torch.profiler (GPU busy: kernel "
+             "time / wall time of that round).", "",
+             "| batch | micro-batches | bound P/R | varlen speed-up | grouped speed-up | varlen / bound | "
+             "ms per micro-batch padded / varlen | kernel-time speed-up varlen | GPU busy padded / varlen | "
+             "max \\|Δlogit\\| varlen bf16 | grouped bf16 | grouped fp32 |",
+             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for row in result["rows"]:
+        d, s = row["max_abs_logit_diff"], row["speedup"]
+        ms = {path: 1e3 * min(v) / row["batches"] for path, v in row["seconds"].items()}
+        busy = row["kernel_share"]
+        lines.append(f"| {row['batch']} | {row['batches']} | {row['bound']:.3f} | {s['varlen']:.3f}x | "
+                     f"{s['grouped']:.3f}x | {s['varlen'] / row['bound']:.3f} | {ms['padded']:.1f} / "
+                     f"{ms['varlen']:.1f} | {row['kernel_speedup']['varlen']:.3f}x | {busy['padded']:.2f} / "
+                     f"{busy['varlen']:.2f} | {d['varlen_bf16']:.2e} | {d['grouped_bf16']:.2e} | "
+                     f"{d['grouped_fp32']:.2e} |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

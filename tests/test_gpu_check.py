@@ -333,6 +333,12 @@ def test_only_checks_the_named_configs_and_writes_their_results(fake_gpus, tmp_p
     assert all(c["reason"] == gpu_check.NOT_SELECTED for n, c in configs.items() if n not in ("single", "zero2"))
     assert results["selected"] == ["fp16_single", "single", "zero2"] and len(results["fp16_overflow"]) == 1
     assert "Selected with --only: fp16_single, single, zero2" in json_path.with_suffix(".md").read_text()
+    first = json_path.read_text(), json_path.with_suffix(".md").read_text()
+    again = gpu_check.write_results(results, results_dir)  # a second check on the same day keeps the first's files
+    assert again["json"].name == f"{json_path.stem}-2.json" and again["md"].name == f"{json_path.stem}-2.md"
+    assert (json_path.read_text(), json_path.with_suffix(".md").read_text()) == first
+    assert gpu_check.write_results(results, results_dir)["md"].name == f"{json_path.stem}-3.md"
+    assert len(list(results_dir.glob("gpu_check_*.json"))) == 3
     with pytest.raises(SystemExit, match="--only zero4: not a config this check runs"):
         gpu_check.selection("single,zero4")
 
