@@ -65,7 +65,6 @@ import platform
 import re
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -79,7 +78,7 @@ from recipes.checks.launch_checks import visible_gpus
 from recipes.outputs.records import library_versions, read_jsonl
 from recipes.testing.probe import COMM_VARIABLE
 from recipes.training.strategy import available_cores
-from scripts import bench_load, memory_model
+from scripts import bench_load, memory_model, processes
 from scripts.bench_report import (BENCH_PAGE, MIB, epoch_figures, mib, ratio_lines, ratios, rerender, round_order,
                                   throughput,
                                   update_readme, write_results)
@@ -315,8 +314,7 @@ def execute(run: Run, command: list, run_dir: Path, profile: Profile, env: dict)
         try:
             proc.wait(timeout=profile.run_timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started
-            proc.wait()
+            processes.kill_launch(proc)  # the launcher and the ranks it started
             run.status, run.reason = "timeout", f"killed after {profile.run_timeout} s"
     run.wall_s = time.perf_counter() - start
     run.cpu_s = meter.stop()

@@ -23,14 +23,13 @@ import argparse
 import csv
 import datetime as dt
 import json
-import os
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 from recipes.outputs.records import library_versions
+from scripts import processes
 from scripts.bench import ACCELERATE, PYTHON, REPO, hardware, progress, run_env, threads_of
 from scripts.bench_report import round_order, slug, spread
 from scripts.sweep import summary
@@ -88,9 +87,7 @@ def time_to_first_step(cmd: list, out: Path, env: dict) -> float:
                 time.sleep(POLL_S)
             return time.perf_counter() - start
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            processes.kill_launch(proc)
 
 
 def run_rounds(rounds: int, runs_dir: Path) -> tuple[dict, dict]:

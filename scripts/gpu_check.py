@@ -61,7 +61,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -322,7 +321,9 @@ def run_step(command: list, timeout: float, env=None) -> subprocess.CompletedPro
         try:
             out, _ = proc.communicate(timeout=max(1.0, timeout))
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            from scripts import processes
+
+            processes.kill_launch(proc)
             proc.communicate()
             return subprocess.CompletedProcess(command, -9, f"killed after {timeout:.0f} s")
     return subprocess.CompletedProcess(command, proc.returncode, out)
@@ -534,8 +535,9 @@ def execute_multinode(name: str, spec, profile, n_gpus: int, runs_dir: Path, sha
         pass
     finally:
         if other.poll() is None:
-            os.killpg(other.pid, signal.SIGKILL)
-            other.wait()
+            from scripts import processes
+
+            processes.kill_launch(other)
     if run.status == "ok" and other.returncode != 0:
         log = (run_dir / "machine1.log").read_text(errors="replace") if (run_dir / "machine1.log").exists() else ""
         run.status, run.reason = "failed", "machine 1: " + bench.failure_reason(log)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 from recipes.outputs.records import read_jsonl
+from scripts import processes
 from scripts.bench import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -74,12 +74,8 @@ def run_in_own_group(cmd, timeout: float, env=None) -> subprocess.CompletedProce
 
 
 def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the process group that `proc` leads (started with start_new_session=True) and reap it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
+    """SIGKILL the launch `proc` leads (started with start_new_session=True), its ranks included, and reap it."""
+    processes.kill_launch(proc)
 
 
 def losses(output_dir: Path) -> list[float]:

@@ -443,3 +443,34 @@ def test_skipped_defaults_agree_between_the_makefile_and_the_script():
     assert "--skip" in make("-n", "gpu-wheels", env={**os.environ, "GPU_WHEELS_SKIP": ""}).stdout  # skip nothing
     dry = make("-n", "gpu-wheels", env={k: v for k, v in os.environ.items() if k != "GPU_WHEELS_SKIP"}).stdout
     assert "--skip" not in dry and "--python-version 3.12 --platform manylinux_2_28_x86_64" in dry
+
+
+def test_a_timed_out_step_kills_the_ranks_that_run_in_their_own_sessions(tmp_path):
+    """torchrun starts each rank in a session of its own (start_new_session=True), so killing the launcher's group
+    left the ranks running, and reading the launcher's output then waited for them. Here a stand-in launcher starts
+    such a 'rank' (sharing its stdout) and sleeps: at the time limit both are killed and the step returns at once."""
+    import time
+
+    import psutil
+
+    pid_file = tmp_path / "rank.pid"
+    launcher = ("import subprocess, sys, time\n"
+                "rank = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True)\n"
+                f"open({str(pid_file)!r}, 'w').write(str(rank.pid))\n"
+                "time.sleep(120)\n")
+    start = time.monotonic()
+    done = gpu_check.run_step([PYTHON, "-c", launcher], timeout=5)
+    elapsed = time.monotonic() - start
+    rank = int(pid_file.read_text())
+    assert done.returncode == -9 and done.stdout == "killed after 5 s" and elapsed < 60, (done, elapsed)
+
+    def gone() -> bool:
+        try:
+            return psutil.Process(rank).status() == psutil.STATUS_ZOMBIE  # killed, not yet reaped by its new parent
+        except psutil.NoSuchProcess:
+            return True
+
+    deadline = time.monotonic() + 10
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(), f"rank {rank} outlived its killed launcher"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import (ACCELERATE, PYTHON, REPO, TINY_FLAGS, free_port, rank_records, read_jsonl, run_in_own_group,
-                     run_recipe)
+from helpers import (ACCELERATE, PYTHON, REPO, TINY_FLAGS, free_port, kill_group, rank_records, read_jsonl,
+                     run_in_own_group, run_recipe)
 from recipes import RecipeError
 from recipes.checkpoints import checkpoint
 from recipes.checks import launch_checks
@@ -48,8 +47,7 @@ def test_output_dir_not_shared_stops_both_machines_at_start_up(tiny_model, tmp_p
     finally:
         for p, log in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)  # the launcher and the rank it started
-                p.wait()
+                kill_group(p)  # the launcher and the rank it started
             log.close()
     elapsed = time.monotonic() - start
     logs = [(tmp_path / f"machine{rank}.log").read_text() for rank in (0, 1)]
