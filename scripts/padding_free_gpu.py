@@ -15,6 +15,9 @@ micro-batch:
    and in fp32 (fp32 never takes varlen: flash kernels are fp16/bf16 only).
 2. Speed, train mode, bf16 autocast: forward + backward of the same micro-batches, 3 interleaved rounds after a
    warm-up, the best round of each; the speed-up over padded beside the bound P / R (padded positions / real tokens).
+   Then once on micro-batches of shapes never run before (the same samples shuffled with another seed, each path
+   once: in a real run nearly every packed row has a new length R, so every linear layer sees a new shape, while
+   dynamic padding's lengths repeat; the best-of-3 rounds above run shapes seen before).
 3. The GPU's own time: one more round of each path under torch.profiler, the sum of its CUDA kernels' durations.
    Its ratio (padded / path) is what the path saves on the device; the kernel time over the wall time of the round
    says whether the GPU was the bound (near 1) or waited on the host (Python, kernel launches: near 0), where no
@@ -108,11 +111,13 @@ def kernel_seconds(model, batches, path: str) -> tuple[float, float]:
     return kernels / 1e6, wall
 
 
-def speed(model, padded, packed, rounds: int = 3) -> dict:
+def speed(model, padded, packed, unseen: dict, rounds: int = 3) -> dict:
+    """`unseen`: {"padded": ..., "varlen": ...} micro-batches of other samples, run once each after the warm-up."""
     model.train()
     sets = {"padded": padded, "varlen": packed, "grouped": packed}
     for path, batches in sets.items():
         timed(model, batches[:4], path)  # warm-up: kernels chosen, allocator grown
+    first = {path: timed(model, batches, path) for path, batches in unseen.items()}
     seconds = {path: [] for path in sets}
     for r in range(rounds):
         for path in (list(sets) if r % 2 == 0 else list(sets)[::-1]):
@@ -121,7 +126,8 @@ def speed(model, padded, packed, rounds: int = 3) -> dict:
     positions = sum(b["attention_mask"].numel() for b in padded)
     best = {path: min(v) for path, v in seconds.items()}
     device = {path: kernel_seconds(model, sets[path], path) for path in sets}
-    return {"seconds": seconds, "real_tokens": real, "padded_positions": positions, "bound": positions / real,
+    return {"seconds": seconds, "unseen_seconds": first, "unseen_batches": len(unseen["padded"]),
+            "unseen_speedup": first["padded"] / first["varlen"], "real_tokens": real, "padded_positions": positions, "bound": positions / real,
             "speedup": {path: best["padded"] / best[path] for path in ("varlen", "grouped")},
             "kernel_seconds": {path: k for path, (k, _) in device.items()},
             "kernel_share": {path: k / wall for path, (k, wall) in device.items()},
@@ -151,9 +157,12 @@ def main(argv=None) -> int:
         train, evals, _ = data.prepare_datasets(cfg, tokenizer)
         padded = micro_batches(cfg, train, evals, tokenizer, False, args.batches)
         packed = micro_batches(cfg, train, evals, tokenizer, True, args.batches)
+        cfg.seed += 1  # the same samples in other micro-batches: other lengths
+        unseen = {"padded": micro_batches(cfg, train, evals, tokenizer, False, args.batches),
+                  "varlen": micro_batches(cfg, train, evals, tokenizer, True, args.batches)}
         assert [b["labels"].tolist() for b in padded] == [b["labels"].tolist() for b in packed]
         row = {"batch": size, "batches": len(padded), "max_abs_logit_diff": exactness(model, padded, packed),
-               **speed(model, padded, packed)}
+               **speed(model, padded, packed, unseen)}
         rows.append(row)
         print(json.dumps(row))
         pf._VARLEN = KERNEL
@@ -171,18 +180,20 @@ def write_results(result: dict, stem: Path) -> None:
              "scripts/padding_free_gpu.py: roberta-base shape, random init (seed 42), dropout 0, the default data's "
              "first micro-batches; speed: forward + backward in bf16 autocast, best of 3 interleaved rounds; kernel "
              "time: the sum of the CUDA kernels' durations in one more round under torch.profiler (GPU busy: kernel "
-             "time / wall time of that round).", "",
+             "time / wall time of that round); unseen: varlen / dynamic padding once on the same samples shuffled "
+             "with another seed, shapes not run before.", "",
              "| batch | micro-batches | bound P/R | varlen speed-up | grouped speed-up | varlen / bound | "
-             "ms per micro-batch padded / varlen | kernel-time speed-up varlen | GPU busy padded / varlen | "
+             "ms per micro-batch padded / varlen | unseen speed-up varlen | kernel-time speed-up varlen | GPU busy padded / varlen | "
              "max \\|Δlogit\\| varlen bf16 | grouped bf16 | grouped fp32 |",
-             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for row in result["rows"]:
         d, s = row["max_abs_logit_diff"], row["speedup"]
         ms = {path: 1e3 * min(v) / row["batches"] for path, v in row["seconds"].items()}
         busy = row["kernel_share"]
+        unseen = f"{row['unseen_speedup']:.3f}x" if "unseen_speedup" in row else "-"  # files before it was measured
         lines.append(f"| {row['batch']} | {row['batches']} | {row['bound']:.3f} | {s['varlen']:.3f}x | "
                      f"{s['grouped']:.3f}x | {s['varlen'] / row['bound']:.3f} | {ms['padded']:.1f} / "
-                     f"{ms['varlen']:.1f} | {row['kernel_speedup']['varlen']:.3f}x | {busy['padded']:.2f} / "
+                     f"{ms['varlen']:.1f} | {unseen} | {row['kernel_speedup']['varlen']:.3f}x | {busy['padded']:.2f} / "
                      f"{busy['varlen']:.2f} | {d['varlen_bf16']:.2e} | {d['grouped_bf16']:.2e} | "
                      f"{d['grouped_fp32']:.2e} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
