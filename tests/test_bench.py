@@ -689,3 +689,25 @@ def test_startup_ratios_pair_the_sides_within_each_round():
     assert "| recipe / loop, warm cache | 1.050 | 1.000-1.100 |" in bench_startup.render(
         {"date": "d", "rounds": 3, "threads": 2, "rows": {"train": 1, "validation": 1}, "seconds": times,
          "ratios": got, "took_min": 1.0})
+
+
+def test_kernel_bench_compares_sides_that_compute_the_same(tmp_path):
+    """`make bench BENCH=kernels` on the tiny model, 2 block pairs: SDPA and eager give the same logits (fp32, eval),
+    fused and default AdamW the same first step, so the ratios time implementations of one computation; every pair
+    gives a ratio, the summary is their mean and t interval, and the page shows each verdict."""
+    from scripts import bench_kernels
+
+    assert bench_kernels.main(["--models", "tiny", "--pairs", "2", "--results", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*_kernels_*.json")
+    result = json.loads(path.read_text())
+    (row,) = result["rows"]
+    assert row["model"] == "tiny" and row["parameters"] > 1e6 and result["pairs"] == 2
+    assert row["max_abs_logit_diff_eval"] < 1e-5 and row["max_abs_param_diff_one_step"] < 1e-6
+    for key in ("sdpa_speedup_over_eager", "fused_speedup_over_default"):
+        stats = row[key]
+        assert len(stats["per_pair"]) == stats["n"] == 2 and all(r > 0 for r in stats["per_pair"])
+        assert stats["mean"] == pytest.approx(sum(stats["per_pair"]) / 2)
+        assert stats["ci95"][0] < stats["mean"] < stats["ci95"][1]
+    table = path.with_suffix(".md").read_text().splitlines()[-1]
+    assert table.startswith("| tiny | 1.5 M |") and table.count("faster") + table.count("slower") + \
+        table.count("not decided") == 2

@@ -9,7 +9,7 @@ import re
 
 from helpers import REPO
 from recipes import config
-from scripts import bench_report, demo_pretrained
+from scripts import bench_kernels, bench_report, demo_pretrained
 
 DOCS = [REPO / "README.md", REPO / "README_zh.md", *sorted((REPO / "docs").glob("*.md"))]
 # The three ratios the READMEs quote, as `make bench` names them in its results file.
@@ -366,3 +366,19 @@ def test_speed_page_quotes_the_latest_recipe_against_loop_rounds():
         " ".join(speed.split())
     assert (f"MFU {entry['mfu']['eager']['median']:.3f} against {entry['mfu']['loop']['median']:.3f}"
             in " ".join(speed.split()))
+
+
+def test_speed_page_quotes_the_latest_kernel_results():
+    """docs/speed.md's in-process kernel table (`make bench BENCH=kernels`): each model's two ratios with their 95% t
+    intervals and verdicts as the results file has them, and the agreement figures."""
+    stem, results = latest_results("kernels")
+    speed = (REPO / "docs" / "speed.md").read_text()
+    assert f"results/{stem}.md" in speed and f"in {results['pairs']} pairs of blocks" in speed
+    verdicts = {"faster": "faster", "slower": "slower", "not decided": "no difference shown"}
+    for row in results["rows"]:
+        a, o = row["sdpa_speedup_over_eager"], row["fused_speedup_over_default"]
+        cells = (f"| {a['mean']:.3f} ({a['ci95'][0]:.3f}-{a['ci95'][1]:.3f}): "
+                 f"{verdicts[bench_kernels.verdict(a)]} | {o['mean']:.2f} ({o['ci95'][0]:.2f}-{o['ci95'][1]:.2f}): "
+                 f"{verdicts[bench_kernels.verdict(o)]} |")
+        assert cells in speed, cells
+        assert f"{row['max_abs_logit_diff_eval']:.1e}".replace("e-0", "e-") in speed  # 1.7e-8 as the page writes it

@@ -21,6 +21,10 @@ Attention (--attn_implementation): transformers' choice by default, which for Ro
 5.23 is `sdpa` (torch's scaled_dot_product_attention: flash or memory-efficient kernels where the device has them);
 `eager` is the model's own matmul-softmax-matmul. The one the model runs with is recorded.
 
+On CPU both defaults follow in-process blocks (scripts/bench_kernels.py, 20 pairs, docs/speed.md "Kernels"): the
+fused AdamW step 4.7x (tiny) and 6.0x (roberta-base shape) the speed of torch's per-parameter loop, intervals above 1;
+SDPA 0.996x eager attention on the roberta-base shape (95% t 0.967-1.026: no difference shown), 0.963x on the 1.5 M
+test model only.
 On GPUs both defaults follow the one GPU figure there is (one H100, bf16, roberta-base shape, batch 16, 30 steps, one
 round; docs/speed.md "Kernels"): fused AdamW 1.10x `adamw_torch`'s speed; SDPA the faster median step (0.036 s
 against eager's 0.040), though eager finished those 30 steps first (SDPA at 0.61x: SDPA's first steps at new lengths
