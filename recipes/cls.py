@@ -122,7 +122,8 @@ def train(cfg: Config, accelerator: Accelerator, model, optimizer, scheduler, lo
     model.train()  # from_pretrained returns a model in eval mode
     step, skipped, last_eval, t0 = start.step, start.skipped_steps, None, time.perf_counter()
     progress = tqdm(total=plan.total_steps, initial=step, disable=not accelerator.is_local_main_process, desc="train")
-    log = records.StepLog(accelerator, out / "metrics.jsonl", cfg.logging_steps, progress, on_flush=run.check_block)
+    log = records.StepLog(accelerator, out / "metrics.jsonl", cfg.logging_steps, progress, on_flush=run.check_block,
+                          tail=bool(padding_free.row_multiple(cfg)))
     profiler = profiling.StepProfiler(cfg.profile_steps, out / "profile", accelerator.process_index, plan.total_steps)
     compiled = compilation.CompileWatch(cfg, accelerator, model)  # --torch_compile: shapes, graphs, compile time
     overflow = strategy.OverflowCheck(accelerator, optimizer)  # fp16: was the step skipped (loss-scale overflow)?
@@ -227,6 +228,7 @@ def main(cfg: Config) -> dict:
     tracking.check_startup(cfg)  # trackers installed, Hub token and Hub reachable: before any work
     source.check_model_source(cfg)  # before any process group: a bad model path fails alike on every rank
     accelerator = strategy.make_accelerator(cfg)
+    kernels.set_attention_backends(cfg, accelerator.device)  # CUDA: SDPA without cuDNN unless --sdpa_cudnn
     out = Path(cfg.output_dir)
     checkpoint.check_shared_output_dir(accelerator, out)
     start = checkpoint.find_checkpoint(cfg, accelerator.num_processes)
@@ -282,7 +284,7 @@ def main(cfg: Config) -> dict:
         resolved = {**records.describe_run(cfg, accelerator, total_steps, len(train_ds), len(eval_ds)),
                     "training_contract": terms.record(),
                     "long_run": run.describe(), **micro_batch.describe(fitted, accelerator),
-                    "kernels": kernels.describe(accelerator.unwrap_model(model), optimizer),
+                    "kernels": kernels.describe(accelerator.unwrap_model(model), optimizer, accelerator.device),
                     **adapters.describe(accelerator.unwrap_model(model))}  # --use_peft: "lora", its counts
         (out / "run_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
     accelerator.init_trackers("cls", config=records.tracker_config(asdict(cfg)))

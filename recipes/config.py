@@ -98,9 +98,13 @@ class Config:
         "help": "adamw_torch_fused (torch's fused kernel where the device has one) or adamw_torch (kernels.py)"})
     attn_implementation: Optional[str] = field(default=None, metadata={
         "help": "eager|sdpa|flash_attention_2|flash_attention_3|flex_attention (default: transformers' choice)"})
+    sdpa_cudnn: bool = field(default=False, metadata={
+        "help": "CUDA: let SDPA attention use cuDNN's kernel (off by default: on an H100 it slowed a run's first "
+                "steps, each new length costing up to 0.6 s; kernels.py)"})
     pad_to_max_length: bool = field(default=False, metadata={"help": "pad every batch to max_length (not dynamic)"})
     pad_to_multiple_of: Optional[int] = field(default=None, metadata={
-        "help": "round each batch's padded length up to a multiple of N (8: tensor cores in bf16/fp16)"})
+        "help": "round each batch's padded length (with --padding_free: each packed row) up to a multiple of N (8: "
+                "tensor cores in bf16/fp16; fewer shapes for GPUs to prepare)"})
     group_by_length: bool = field(default=False, metadata={"help": "batches of similar lengths: less padding"})
     padding_free: bool = field(default=False, metadata={
         "help": "no padding positions: each micro-batch packed into one row, attention kept per sequence (TRL's "

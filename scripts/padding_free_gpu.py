@@ -23,6 +23,13 @@ micro-batch:
    says whether the GPU was the bound (near 1) or waited on the host (Python, kernel launches: near 0), where no
    method that removes positions can show its saving in the wall time.
 Results: results/gpu_check_padding_free_<date>_<gpu slug>.{json,md} (beside make gpu-check's own).
+
+    .venv-gpu/bin/python scripts/padding_free_gpu.py --first_steps 60 --batch_sizes 16    # about 2 min on one H100
+
+instead times the start of a run: the first N micro-batches of each VARIANTS entry (dynamic padding with and without
+SDPA's cuDNN backend and --pad_to_multiple_of 8, padding-free with and without --pad_to_multiple_of 64), each variant
+in a process of its own and each micro-batch alone, so that the cost of preparing shapes on first use shows:
+results/gpu_check_first_steps_<date>_<gpu slug>.{json,md}.
 """
 from __future__ import annotations
 
@@ -46,13 +53,13 @@ AUTOCAST = "cuda"  # the device type of the bf16 autocast
 KERNEL = pf._varlen()  # torch's varlen kernel as recipes/model/padding_free.py found it; forward() switches it per path
 
 
-def model_of(shape: Path):
+def model_of(shape: Path, multiple: int | None = None):
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     config = AutoConfig.from_pretrained(shape, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     torch.manual_seed(42)
     model = AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa")
-    pf.apply(types.SimpleNamespace(padding_free=True, attn_implementation=None), model)
+    pf.apply(types.SimpleNamespace(padding_free=True, attn_implementation=None, pad_to_multiple_of=multiple), model)
     return model.cuda()
 
 
@@ -135,15 +142,91 @@ def speed(model, padded, packed, unseen: dict, rounds: int = 3) -> dict:
                                for path in ("varlen", "grouped")}}  # nan: no CUDA kernel recorded
 
 
+# --first_steps: the start of a run, each variant in a process of its own (what one variant's first shapes cost must
+# not be paid by another's: cuBLAS, cuDNN and torch cache per shape): name -> (--padding_free, --pad_to_multiple_of,
+# cuDNN attention allowed). In launch order.
+VARIANTS = {"padded": (False, None, True), "padded_8": (False, 8, True), "padded_no_cudnn": (False, None, False),
+            "padded_8_no_cudnn": (False, 8, False), "varlen": (True, None, True), "varlen_64": (True, 64, True)}
+
+
+def first_steps(shape: Path, variant: str, size: int, steps: int) -> dict:
+    """One variant's first `steps` micro-batches of a run (the default data's first samples, the recipe's loaders and
+    collators), each timed alone: forward + backward in bf16 autocast, synchronised; one micro-batch before them
+    pays what any first step pays (CUDA context, library handles)."""
+    packed, multiple, cudnn = VARIANTS[variant]
+    torch.backends.cuda.enable_cudnn_sdp(cudnn)
+    model = model_of(shape, multiple).train()
+    cfg = cls.parse_config(["--model_name_or_path", str(shape), "--per_device_train_batch_size", str(size),
+                            "--max_train_samples", str(size * (steps + 1)), "--max_length", "128",
+                            *(["--pad_to_multiple_of", str(multiple)] if multiple else [])])
+    tokenizer = load_tokenizer(cfg)
+    train, evals, _ = data.prepare_datasets(cfg, tokenizer)
+    batches = micro_batches(cfg, train, evals, tokenizer, packed, steps + 1)
+    path = "varlen" if packed else "padded"
+    timed(model, batches[:1], path)
+    ms = [1e3 * timed(model, [batch], path) for batch in batches[1:]]
+    half = len(ms) // 2
+    return {"variant": variant, "batch": size, "steps": len(ms), "ms": ms, "total_s": sum(ms) / 1e3,
+            "first_half_ms": sum(ms[:half]) / half, "second_half_ms": sum(ms[half:]) / (len(ms) - half),
+            "median_ms": sorted(ms)[half], "shapes": len({tuple(b["input_ids"].shape) for b in batches[1:]}),
+            "positions": sum(b["input_ids"].numel() for b in batches[1:])}
+
+
+def first_steps_table(stem: Path, args) -> None:
+    """Every variant in its own process, then <stem>.{json,md}."""
+    import subprocess
+    import sys
+
+    rows = []
+    for variant in VARIANTS:
+        proc = subprocess.run([sys.executable, __file__, "--variant", variant, "--first_steps", str(args.first_steps),
+                               "--batch_sizes", args.batch_sizes.split(",")[0], "--shape", args.shape],
+                              capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode or not lines:
+            print(f"{variant}: failed\n{proc.stderr[-2000:]}")
+            continue
+        rows.append(json.loads(lines[-1]))
+        print({k: v for k, v in rows[-1].items() if k != "ms"}, flush=True)
+    name = torch.cuda.get_device_name()
+    stem.with_suffix(".json").write_text(json.dumps({"gpu": name, "date": str(dt.date.today()),
+                                                     "torch": torch.__version__, "rows": rows}, indent=1) + "\n")
+    lines = [f"# The first steps of a run on {name} ({dt.date.today()}, torch {torch.__version__})", "",
+             "scripts/padding_free_gpu.py --first_steps: roberta-base shape, random init, dropout 0, bf16 autocast, "
+             "the default data's first micro-batches; each variant in a process of its own; every micro-batch "
+             "timed alone (forward + backward, synchronised) after one untimed.", "",
+             "| variant | batch | micro-batches | distinct shapes | positions | total s | ms mean, first half | "
+             "ms mean, second half | ms median |", "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in rows:
+        lines.append(f"| {r['variant']} | {r['batch']} | {r['steps']} | {r['shapes']} | {r['positions']} | "
+                     f"{r['total_s']:.2f} | {r['first_half_ms']:.1f} | {r['second_half_ms']:.1f} | "
+                     f"{r['median_ms']:.1f} |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(stem.with_suffix(".md").read_text())
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default=str(REPO / "artifacts" / "roberta-base-shape"))
     parser.add_argument("--batch_sizes", default="16,64,256")
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--results", default=str(REPO / "results"))
+    parser.add_argument("--first_steps", type=int, default=0,
+                        help="instead: time the first N micro-batches of a run per variant (VARIANTS), at the first "
+                             "--batch_sizes")
+    parser.add_argument("--variant", choices=list(VARIANTS), help=argparse.SUPPRESS)  # one --first_steps process
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or KERNEL is None:
         print(f"padding_free_gpu: needs a CUDA GPU and torch's varlen_attn (torch {torch.__version__}): nothing run")
+        return 0
+    if args.variant:
+        print(json.dumps(first_steps(Path(args.shape), args.variant, int(args.batch_sizes.split(",")[0]),
+                                     args.first_steps)))
+        return 0
+    if args.first_steps:
+        results = Path(args.results)
+        first_steps_table(results / unused_stem(results, f"gpu_check_first_steps_{dt.date.today()}_"
+                                                          f"{slug(torch.cuda.get_device_name())}"), args)
         return 0
     model = model_of(Path(args.shape))
     name = torch.cuda.get_device_name()

@@ -61,9 +61,9 @@ def test_fused_adamw_and_sdpa_train_like_the_plain_kernels(runs):
         worst = max(abs(a - b) for a, b in zip(reference, other))
         assert worst <= LOSS_ATOL, (name, worst)
     assert kernels_of(runs["default"]) == {"optimizer": "AdamW", "fused": True, "foreach": None,
-                                           "attn_implementation": "sdpa"}
+                                           "attn_implementation": "sdpa", "sdpa_cudnn": None}
     assert kernels_of(runs["adamw_torch"]) == {"optimizer": "AdamW", "fused": False, "foreach": None,
-                                               "attn_implementation": "sdpa"}
+                                               "attn_implementation": "sdpa", "sdpa_cudnn": None}
     assert kernels_of(runs["eager"])["attn_implementation"] == "eager"
     assert kernels_of(runs["eager"])["fused"] is True
 
@@ -88,6 +88,26 @@ def test_a_resumed_optimizer_takes_the_flags_implementation():
     resumed.step()  # the fused kernel accepts the loaded state
     assert all(not torch.equal(a, b) for a, b in zip(before, weights))
     assert all(float(s["step"]) == 2 for s in resumed.state.values())
+
+
+def test_sdpa_leaves_cudnn_out_on_cuda_unless_asked():
+    """The GPU default by measurement (kernels.py): on a CUDA device the process-wide switch turns cuDNN's attention off
+    for SDPA, --sdpa_cudnn keeps it, and run_config.json records it; a CPU run touches nothing and records None."""
+    enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        model = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.AdamW(model.parameters())
+        for flags, expected in (([], False), (["--sdpa_cudnn"], True)):
+            torch.backends.cuda.enable_cudnn_sdp(not expected)
+            cfg = parse_config(["--model_name_or_path", str(TINY), *flags])
+            kernels.set_attention_backends(cfg, torch.device("cpu"))
+            assert torch.backends.cuda.cudnn_sdp_enabled() is (not expected)  # untouched off CUDA
+            assert kernels.describe(model, optimizer, torch.device("cpu"))["sdpa_cudnn"] is None
+            kernels.set_attention_backends(cfg, torch.device("cuda", 0))
+            assert torch.backends.cuda.cudnn_sdp_enabled() is expected
+            assert kernels.describe(model, optimizer, torch.device("cuda", 0))["sdpa_cudnn"] is expected
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(enabled)
 
 
 @pytest.mark.parametrize("flags, message", [

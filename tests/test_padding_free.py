@@ -3,7 +3,7 @@
 In-process: every accepted architecture's packed logits (and gradients) against the padded model's, and proof that
 the comparison catches the two bugs users report (RoBERTa's positions counted from 0, sequences that see each
 other). Launched (10 runs of the dropout-free tiny model): dynamic padding on DDP as the reference; padding-free on
-one process, DDP, FSDP2, ZeRO-2, ZeRO-3 and ZeRO-3 with CPU offload (DeepSpeed's CPU Adam, in AdamW mode) with
+one process (its rows rounded up to a multiple of 8), DDP, FSDP2, ZeRO-2, ZeRO-3 and ZeRO-3 with CPU offload (DeepSpeed's CPU Adam, in AdamW mode) with
 accumulation and a partial last window; a mid-epoch resume; with --group_by_length on one process against grouped
 dynamic padding.
 """
@@ -46,8 +46,9 @@ def tiny(arch: str):
     return AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa"), config
 
 
-def batches(config, arch: str, start: int):
-    """The same 4 sequences padded (with an attention mask) and packed (the recipe's collator)."""
+def batches(config, arch: str, start: int, multiple: int = 0):
+    """The same 4 sequences padded (with an attention mask) and packed (the recipe's collator; `multiple`: the row
+    rounded up to a multiple of it by a filler sequence)."""
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(3, 100, (n,), generator=gen).tolist() for n in LENGTHS]
     types_ = [[0] * (n // 2) + [1] * (n - n // 2) for n in LENGTHS]
@@ -59,38 +60,44 @@ def batches(config, arch: str, start: int):
         padded["token_type_ids"] = torch.tensor([t + [0] * (longest - len(t)) for t in types_])
         for f, t in zip(features, types_):
             f["token_type_ids"] = t
-    packed = padding_free.PackingCollator(start, "sample_ids")(features)
+    packed = padding_free.PackingCollator(start, "sample_ids", multiple, pad)(features)
     return padded, packed, torch.tensor([f["labels"] for f in features])
 
 
-ON = types.SimpleNamespace(padding_free=True, attn_implementation=None)
+ON = types.SimpleNamespace(padding_free=True, attn_implementation=None, pad_to_multiple_of=None)
 
 
 def varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale=None):
     """torch's varlen_attn (CUDA only) as per-sequence SDPA on CPU, with its argument contract checked: (R, heads, d)
-    in and out, int32 boundaries, host ints for the longest."""
+    in and out, int32 boundaries covering every position, host ints bounding the longest (equal to it unless the row
+    is rounded up)."""
     assert q.dim() == 3 and q.shape == k.shape == v.shape and cu_q.dtype == torch.int32 and cu_q is cu_k
-    assert isinstance(max_q, int) and max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max())
+    assert int(cu_q[-1]) == q.shape[0] and isinstance(max_q, int) and max_q == max_k
+    assert max_q >= int((cu_q[1:] - cu_q[:-1]).max())
     bounds = cu_q.tolist()
     return torch.cat([torch.nn.functional.scaled_dot_product_attention(
         *(x[a:b].transpose(0, 1) for x in (q, k, v)), scale=scale).transpose(0, 1)
         for a, b in zip(bounds, bounds[1:])])
 
 
+@pytest.mark.parametrize("multiple", [0, 8])
 @pytest.mark.parametrize("groups", ["one", "per_length", "varlen"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_packed_logits_and_gradients_equal_the_padded_model(arch, groups, monkeypatch):
+def test_packed_logits_and_gradients_equal_the_padded_model(arch, groups, multiple, monkeypatch):
     # "one": the default cost keeps these short sequences in one group; "per_length": every length its own group;
-    # "varlen": the CUDA path's layout, its kernel stood in for (ModernBERT's sliding layers stay on the groups)
+    # "varlen": the CUDA path's layout, its kernel stood in for (ModernBERT's sliding layers stay on the groups);
+    # multiple 8 (--pad_to_multiple_of 8): the 29 tokens rounded up to 32 by a filler sequence of 3, its own group
     monkeypatch.setattr(padding_free, "GROUP_OVERHEAD", 0 if groups == "per_length" else padding_free.GROUP_OVERHEAD)
     assert len(padding_free.length_groups(LENGTHS)) == (len(LENGTHS) if groups == "per_length" else 1)
+    on = types.SimpleNamespace(**{**vars(ON), "pad_to_multiple_of": multiple or None})
     calls = []
     if groups == "varlen":
         monkeypatch.setattr(padding_free, "_VARLEN", lambda *a, **k: calls.append(1) or varlen_stand_in(*a, **k))
         monkeypatch.setattr(padding_free, "_takes_varlen", lambda query, dropout, window: window is None)
     model, config = tiny(arch)
-    padded, packed, labels = batches(config, arch, padding_free.first_position(config))
+    padded, packed, labels = batches(config, arch, padding_free.first_position(config), multiple)
     assert packed.pop("labels").tolist() == labels.tolist() and packed.pop("row").tolist() == [0, 1, 2, 3]
+    assert packed["input_ids"].shape[1] == (32 if multiple else sum(LENGTHS))
     reference = {}
     for mode in ("eval", "train"):  # no dropout: train mode computes the same numbers
         getattr(model, mode)()
@@ -99,7 +106,7 @@ def test_packed_logits_and_gradients_equal_the_padded_model(arch, groups, monkey
         torch.nn.functional.cross_entropy(logits, labels).backward()
         reference[mode] = logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
                                             if p.grad is not None}
-    padding_free.apply(ON, model)
+    padding_free.apply(on, model)
     for mode in ("eval", "train"):
         getattr(model, mode)()
         model.zero_grad()
@@ -183,6 +190,34 @@ def test_collator_boundaries_positions_and_counts():
     assert float(tokens) == 3 and computed == 6
 
 
+def test_rounded_rows_end_in_a_filler_sequence_the_head_never_sees():
+    """--padding_free --pad_to_multiple_of: 1 to m filler tokens as one more sequence, the longest rounded up as a
+    padded batch's; the re-padded sequence output has the padded batch's shape and values, the filler dropped."""
+    features = [{"input_ids": [0, 5, 6, 2], "token_type_ids": [0, 0, 1, 1], "labels": 1},
+                {"input_ids": [0, 9, 2], "token_type_ids": [0, 0, 0], "labels": 0}]
+    rows = {m: padding_free.PackingCollator(2, "sample_ids", m, pad_id=1)([dict(f) for f in features]) for m in (4, 7)}
+    assert rows[4]["input_ids"].tolist() == [[0, 5, 6, 2, 0, 9, 2, 1]]  # 7 tokens + 1 filler = 8
+    assert rows[4]["token_type_ids"].tolist() == [[0, 0, 1, 1, 0, 0, 0, 0]]
+    assert rows[4]["position_ids"].tolist() == [[2, 3, 4, 5, 2, 3, 4, 2]]
+    assert rows[4]["cu_seq_lens_q"].tolist() == [0, 4, 7, 8] and rows[4]["max_length_q"] == 4
+    assert rows[7]["input_ids"].shape == (1, 14) and rows[7]["cu_seq_lens_q"].tolist() == [0, 4, 7, 14]  # a whole m
+    assert rows[7]["max_length_q"] == rows[7]["max_length_k"] == 7 and rows[7]["labels"].tolist() == [1, 0]
+    tokens, computed = padding_free.token_counts(rows[7], tail=True)
+    assert float(tokens) == 7 and computed == 14
+    model, config = tiny("roberta")
+    model.eval()
+    padded, _, _ = batches(config, "roberta", padding_free.first_position(config))
+    with torch.no_grad():
+        reference = model.base_model(**padded).last_hidden_state  # (4, 13, 32)
+        padding_free.apply(types.SimpleNamespace(**{**vars(ON), "pad_to_multiple_of": 8}), model)
+        _, packed, _ = batches(config, "roberta", padding_free.first_position(config), 8)
+        got = model.base_model(**{k: v for k, v in packed.items() if k not in ("labels", "row")}).last_hidden_state
+    assert got.shape == (4, 16, 32)  # the padded batch's 13 rounded up to 16, no row for the filler
+    real = padded["attention_mask"].bool()
+    assert (got[:, :13][real] - reference[real]).abs().max().item() <= LOGITS_ATOL
+    assert got[:, :13][~real].abs().max().item() == 0 and got[:, 13:].abs().max().item() == 0
+
+
 @pytest.mark.parametrize("arch", ["deberta-v2", "mpnet", "deberta"])
 def test_encoders_without_an_exact_path_are_refused_at_start(arch):
     from transformers import AutoConfig
@@ -222,14 +257,20 @@ def runs(no_dropout_model, tmp_path_factory):
     return root, flags
 
 
-def assert_same_training(ref, out, atol: float):
+def assert_same_training(ref, out, atol: float, multiple: int = 0):
+    """`multiple`: --pad_to_multiple_of, each packed row rounded up by 1 to `multiple` filler positions."""
     ref_records, got_records = read_jsonl(ref / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl")
     assert len(got_records) == len(ref_records) == 7 and got_records[-1]["samples"] == 8
     delta = max(abs(a - b) for a, b in zip(losses(ref), losses(out)))
     print(f"{out.name}: max |loss diff| vs {ref.name} = {delta:.2e}")
     assert delta <= atol
     assert [r["tokens"] for r in got_records] == [r["tokens"] for r in ref_records]
-    assert all(r["padded_tokens"] == r["tokens"] for r in got_records)  # no position computed for padding
+    if multiple:  # a step's micro-batches (2 here) each computed 1 to `multiple` filler positions, no padding
+        micro = [-(-r["samples"] // 16) for r in got_records]  # one process, micro-batches of 16 samples
+        assert all(r["padded_tokens"] % multiple == 0 for r in got_records)
+        assert all(n <= r["padded_tokens"] - r["tokens"] <= n * multiple for r, n in zip(got_records, micro))
+    else:
+        assert all(r["padded_tokens"] == r["tokens"] for r in got_records)  # no position computed for padding
     ref_eval, got_eval = read_jsonl(ref / "eval.jsonl")[-1], read_jsonl(out / "eval.jsonl")[-1]
     assert got_eval["n_examples"] == ref_eval["n_examples"] == 101
     assert abs(got_eval["loss"] - ref_eval["loss"]) <= 10 * atol + 1e-7
@@ -257,9 +298,10 @@ def test_ddp_equals_dynamic_padding_and_resumes_exactly(runs, tmp_path):
 def test_every_strategy_trains_the_dynamic_padding_losses(runs, tmp_path, config):
     root, flags = runs
     launch = fp32_launch_args(config, tmp_path) if config else []
-    one_process = [] if config else ["--per_device_train_batch_size", "16"]  # the same 32 samples a step
+    # one process: the same 32 samples a step, and each packed row rounded up to a multiple of 8
+    one_process = [] if config else ["--per_device_train_batch_size", "16", "--pad_to_multiple_of", "8"]
     run_recipe(tmp_path / "run", *flags, *one_process, "--padding_free", config=config, launch_args=launch)
-    assert_same_training(root / "padded", tmp_path / "run", STRATEGY_ATOL if config else 1e-6)
+    assert_same_training(root / "padded", tmp_path / "run", STRATEGY_ATOL if config else 1e-6, 0 if config else 8)
 
 
 def test_group_by_length_with_padding_free_trains_the_grouped_losses(runs, tmp_path):

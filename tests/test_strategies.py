@@ -139,7 +139,7 @@ def test_shipped_config_trains_to_completion(request, tmp_path, config):
                                    "check_grad_overflow": False if config[:5] in ("zero1", "zero2") else None,
                                    "fused": "offload" not in config}
     assert resolved["kernels"] == {"optimizer": OPTIMIZER_CHAIN[config][-1], "fused": "offload" not in config,
-                                   "foreach": None, "attn_implementation": "sdpa"}
+                                   "foreach": None, "attn_implementation": "sdpa", "sdpa_cudnn": None}
     # FSDP2 under bf16 keeps the gradients of a step's first micro-batch in fp32 until the step's reduce-scatter
     assert record["accumulated_grad_dtypes"] == (["torch.float32"] if config == "fsdp.yaml" else [])
     if config in BF16:

@@ -94,6 +94,7 @@ EXEMPT = {
     "data_parallel": "the split of the global batch over devices",
     "optim": "the same AdamW update by another kernel (kernels.apply_after_load applies the flag's)",
     "attn_implementation": "the same attention by another kernel",
+    "sdpa_cudnn": "the same attention by another kernel",
     "tf32": "matmul precision on GPUs, like the launch config's precision",
     "pad_to_max_length": "padding: the same sums over the real tokens",
     "pad_to_multiple_of": "padding: the same sums over the real tokens",

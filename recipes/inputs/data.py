@@ -301,7 +301,8 @@ def eval_loader(cfg, ds, tokenizer):
 def collator(cfg, tokenizer):
     """The batches the flags ask for: padded (Collator), or packed without padding (--padding_free)."""
     if cfg.padding_free:
-        return padding_free.PackingCollator(padding_free.position_start(cfg), SAMPLE_IDS)
+        return padding_free.PackingCollator(padding_free.position_start(cfg), SAMPLE_IDS,
+                                            padding_free.row_multiple(cfg), tokenizer.pad_token_id or 0)
     return Collator(tokenizer, cfg.max_length, cfg.pad_to_max_length, cfg.pad_to_multiple_of)
 
 

@@ -25,10 +25,13 @@ On CPU both defaults follow in-process blocks (scripts/bench_kernels.py, 20 pair
 fused AdamW step 4.7x (tiny) and 6.0x (roberta-base shape) the speed of torch's per-parameter loop, intervals above 1;
 SDPA 0.996x eager attention on the roberta-base shape (95% t 0.967-1.026: no difference shown), 0.963x on the 1.5 M
 test model only.
-On GPUs both defaults follow the one GPU figure there is (one H100, bf16, roberta-base shape, batch 16, 30 steps, one
-round; docs/speed.md "Kernels"): fused AdamW 1.10x `adamw_torch`'s speed; SDPA the faster median step (0.036 s
-against eager's 0.040), though eager finished those 30 steps first (SDPA at 0.61x: SDPA's first steps at new lengths
-cost more): over a long run the steady state decides.
+On GPUs both defaults follow the GPU figures there are (one H100, bf16, roberta-base shape; docs/speed.md "Kernels"):
+fused AdamW 1.10x `adamw_torch`'s speed (batch 16, 30 steps, one round); SDPA, but without its cuDNN backend
+(`--sdpa_cudnn` allows it; torch.backends.cuda.enable_cudnn_sdp, a switch for the whole process, set once at start-up
+on CUDA). For a padded batch with a mask, torch 2.11 picks cuDNN's attention on that GPU, which prepares each new
+sequence length on first use: the first 60 micro-batches of batch 16 took 12.8 s (a fresh machine) and 4.1 s (warm)
+with it, 2.5 s and 2.7 s without it (each in a process of its own; batch 64: 1.41 against 1.06 s); without it SDPA
+runs torch's memory-efficient kernel, as before torch chose cuDNN there. The setting is recorded in run_config.json.
 """
 from __future__ import annotations
 
@@ -89,13 +92,20 @@ def build_adamw(groups: list[dict], learning_rate: float, optim: str, device: to
     return torch.optim.AdamW(groups, lr=learning_rate, **options)
 
 
+def set_attention_backends(cfg, device: torch.device) -> None:
+    """On CUDA: SDPA's cuDNN backend only with --sdpa_cudnn (above). Elsewhere torch has no such backend to choose."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(cfg.sdpa_cudnn)
+
+
 def model_attention(cfg) -> dict:
     """The keyword that from_pretrained / from_config take for --attn_implementation (none: transformers' choice)."""
     return {} if cfg.attn_implementation is None else {"attn_implementation": cfg.attn_implementation}
 
 
-def describe(model, optimizer) -> dict:
-    """What run_config.json records: the optimizer that steps and the attention the model runs."""
+def describe(model, optimizer, device: torch.device) -> dict:
+    """What run_config.json records: the optimizer that steps and the attention the model runs (on CUDA, whether SDPA
+    may use cuDNN's kernel; None elsewhere)."""
     from recipes.model.memstats import innermost_optimizer
 
     inner = innermost_optimizer(optimizer)
@@ -103,7 +113,8 @@ def describe(model, optimizer) -> dict:
     options = getattr(inner, "defaults", {})
     config = getattr(model, "config", None)
     return {"optimizer": type(inner).__name__, "fused": bool(options.get("fused")), "foreach": options.get("foreach"),
-            "attn_implementation": getattr(config, "_attn_implementation", None)}
+            "attn_implementation": getattr(config, "_attn_implementation", None),
+            "sdpa_cudnn": torch.backends.cuda.cudnn_sdp_enabled() if device.type == "cuda" else None}
 
 
 @contextlib.contextmanager

@@ -21,6 +21,11 @@ sequence to itself:
   The sequence output is re-padded to (n, L, hidden) where the encoder hands it to the pooler or head (a forward hook
   on that module, which gets the boundaries with its call): each head pools its own sequence's first token, as in
   the padded model.
+- with --pad_to_multiple_of m, each packed row is rounded up: a tail of 1 to m filler tokens, which the boundaries
+  make a sequence of its own (attention stays defined on every position, so no uninitialised kernel output reaches a
+  gradient) and the re-pad drops before the head; the longest length is rounded up as the padded batch's is. On a
+  GPU this bounds the shapes the linear layers see: a packed row of R tokens has a new R nearly every step, and a
+  shape run for the first time costs host time (cuBLAS heuristics, kernel choice; docs/speed.md measures it).
 Exact: per sequence, the same positions, token types, attention and pooling as the padded model; the logits agree
 within float32 rounding (tests/test_padding_free.py states the bound). Dropout draws other random numbers, so
 losses with dropout agree in distribution only.
@@ -32,6 +37,7 @@ accepted; any other is refused at start-up in one line.
 from __future__ import annotations
 
 import inspect
+from functools import partial
 from itertools import accumulate
 
 import torch
@@ -91,23 +97,38 @@ def first_position(config) -> int:
     return (config.pad_token_id or 0) + 1 if config.model_type in OFFSET_POSITIONS else 0
 
 
+def row_multiple(cfg) -> int:
+    """--pad_to_multiple_of with --padding_free: the multiple each packed row's length is rounded up to (0: none)."""
+    multiple = cfg.pad_to_multiple_of or 1
+    return multiple if cfg.padding_free and multiple > 1 else 0
+
+
 class PackingCollator:
-    """One packed row per micro-batch: the sequences end to end, their boundaries, one label (and row index) each.
+    """One packed row per micro-batch: the sequences end to end, their boundaries, one label (and row index) each;
+    with `multiple`, a tail of 1 to `multiple` filler tokens (`pad_id`, token type 0) as one more sequence rounds the
+    row's length up to a multiple of it (always present, so that the re-pad knows to drop it without reading a
+    length from the device), and the longest length is rounded up as a padded batch's is.
 
     Example indices, when the examples carry them, travel as a plain list (as data.Collator's)."""
 
-    def __init__(self, start: int, ids_key: str):
-        self.start, self.ids_key = start, ids_key
+    def __init__(self, start: int, ids_key: str, multiple: int = 0, pad_id: int = 0):
+        self.start, self.ids_key, self.multiple = start, ids_key, multiple
+        self.fill = {"input_ids": pad_id, "token_type_ids": 0}
 
     def __call__(self, features):
         ids = [f.pop(self.ids_key) for f in features] if self.ids_key in features[0] else None
         lengths = [len(f["input_ids"]) for f in features]
-        batch = {key: torch.tensor([t for f in features for t in f[key]])[None]
+        longest, total, tail = max(lengths), sum(lengths), 0
+        if self.multiple:
+            tail = (total // self.multiple + 1) * self.multiple - total  # 1 to multiple
+            longest = -(-longest // self.multiple) * self.multiple  # >= tail
+        batch = {key: torch.tensor([t for f in features for t in f[key]] + [self.fill[key]] * tail)[None]
                  for key in SEQUENCE_KEYS if key in features[0]}
-        batch["position_ids"] = torch.cat([torch.arange(self.start, self.start + n) for n in lengths])[None]
-        bounds = torch.tensor([0, *accumulate(lengths)], dtype=torch.int32)
-        batch.update(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds.clone(), max_length_q=max(lengths),
-                     max_length_k=max(lengths))
+        # the tail's positions run from the first one too (below the padded batch's rounded length: a valid id)
+        batch["position_ids"] = torch.cat([torch.arange(self.start, self.start + n)
+                                           for n in lengths + ([tail] if tail else [])])[None]
+        bounds = torch.tensor([0, *accumulate(lengths)] + ([total + tail] if tail else []), dtype=torch.int32)
+        batch.update(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds.clone(), max_length_q=longest, max_length_k=longest)
         for key in features[0]:
             if key not in SEQUENCE_KEYS and key != "attention_mask":
                 batch[key] = torch.tensor([f[key] for f in features])
@@ -116,10 +137,13 @@ class PackingCollator:
         return batch
 
 
-def token_counts(batch) -> tuple[torch.Tensor, int]:
-    """(real tokens, positions the linear layers compute) of a micro-batch, packed or padded."""
+def token_counts(batch, tail: bool = False) -> tuple[torch.Tensor, int]:
+    """(real tokens, positions the linear layers compute) of a micro-batch, padded or packed (`tail`: packed rows end
+    in PackingCollator's filler sequence)."""
     if "cu_seq_lens_q" in batch:
         n = batch["input_ids"].numel()
+        if tail:  # the real tokens end where the filler sequence starts: read on the device, no sync
+            return batch["cu_seq_lens_q"][-2].float(), n
         return torch.full((), n, dtype=torch.float32, device=batch["input_ids"].device), n
     mask = batch["attention_mask"]
     return mask.sum().float(), mask.numel()
@@ -277,17 +301,18 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     return out.index_select(0, plan.slot).unsqueeze(0), None  # (1, R, heads, d)
 
 
-def repad(module, args, kwargs, output):
+def repad(module, args, kwargs, output, tail: bool = False):
     """A forward hook (with its module's keyword arguments) on the module SEQUENCE_OUTPUT names: a packed row's
-    sequence output (1, R, hidden) re-padded to (n, L, hidden), zeros where a sequence has no token. The boundaries
-    come with the call, not from a stash on an object: torch.compile would guard on a stored length (one graph per
-    longest length)."""
+    sequence output (1, R, hidden) re-padded to (n, L, hidden), zeros where a sequence has no token; `tail`: the
+    row's last sequence is PackingCollator's filler, dropped. The boundaries come with the call, not from a stash on
+    an object: torch.compile would guard on a stored length (one graph per longest length)."""
     bounds = kwargs.get("cu_seq_lens_q")
     if bounds is None:
         return output
     hidden, longest = output[0], kwargs["max_length_q"]
     slot, _ = _slots(bounds, longest, hidden.shape[1])
-    output["last_hidden_state"] = _padded(hidden[0], slot, bounds.shape[0] - 1, longest)
+    grid = _padded(hidden[0], slot, bounds.shape[0] - 1, longest)
+    output["last_hidden_state"] = grid[:-1] if tail else grid
     return output
 
 
@@ -308,5 +333,5 @@ def apply(cfg, model):
         raise RecipeError(f"--padding_free: {type(model).__name__} kept attention "
                           f"'{model.config._attn_implementation}'; drop --padding_free")
     module = model.base_model.get_submodule(SEQUENCE_OUTPUT[model.config.model_type])
-    module.register_forward_hook(repad, with_kwargs=True)
+    module.register_forward_hook(partial(repad, tail=bool(row_multiple(cfg))), with_kwargs=True)
     return model

@@ -92,14 +92,15 @@ class StepLog:
     `on_flush` gets them with each record, at the same flush on every rank.
     """
 
-    def __init__(self, accelerator, path: Path, every: int, progress, on_flush=None):
+    def __init__(self, accelerator, path: Path, every: int, progress, on_flush=None, tail: bool = False):
         self.accelerator, self.path, self.every, self.progress = accelerator, path, max(1, every), progress
+        self.tail = tail  # packed rows end in a filler sequence (--padding_free --pad_to_multiple_of)
         self.window = torch.zeros(3, device=accelerator.device)  # this rank's loss sum, non-pad and padded tokens
         self.pending: list[tuple[dict, torch.Tensor]] = []
         self.on_flush = on_flush
 
     def add(self, loss_sum: torch.Tensor, batch: dict) -> None:
-        tokens, computed = padding_free.token_counts(batch)  # padded or packed (--padding_free)
+        tokens, computed = padding_free.token_counts(batch, self.tail)  # padded or packed (--padding_free)
         computed = torch.full((), computed, dtype=torch.float32, device=self.window.device)  # no copy
         self.window += torch.stack([loss_sum.detach().float(), tokens, computed])
 
