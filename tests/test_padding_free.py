@@ -358,9 +358,11 @@ def test_predictions_in_input_order_and_equal_to_the_padded_ones(tiny_model, tmp
             assert b["probabilities"] == pytest.approx(a["probabilities"], abs=LOGITS_ATOL)
 
 
-def test_compiled_model_keeps_one_graph_over_new_lengths_and_counts(monkeypatch):
+@pytest.mark.parametrize("multiple", [0, 8])
+def test_compiled_model_keeps_one_graph_over_new_lengths_and_counts(multiple, monkeypatch):
     """torch.compile with dynamic shapes (the recipe's --torch_compile plugin on dynamic batches): packed rows of other
-    lengths and sequence counts reuse the graph; the logits are the eager ones."""
+    lengths and sequence counts (rounded up with a filler sequence: `multiple`) reuse the graph; the logits are the
+    eager ones."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -368,13 +370,15 @@ def test_compiled_model_keeps_one_graph_over_new_lengths_and_counts(monkeypatch)
 
     model, config = tiny("roberta")
     model.eval()
-    padding_free.apply(ON, model)
+    padding_free.apply(types.SimpleNamespace(**{**vars(ON), "pad_to_multiple_of": multiple or None}), model)
     gen = torch.Generator().manual_seed(3)
     rows = []
     for count in (4, 3, 5, 4):  # other sequence counts, lengths and longest lengths each call
         lengths = torch.randint(2, 30, (count,), generator=gen).tolist()
         features = [{"input_ids": torch.randint(3, 100, (n,), generator=gen).tolist()} for n in lengths]
-        rows.append(padding_free.PackingCollator(padding_free.first_position(config), "sample_ids")(features))
+        rows.append(padding_free.PackingCollator(padding_free.first_position(config), "sample_ids", multiple,
+                                                 config.pad_token_id)(features))
+        assert rows[-1]["input_ids"].shape[1] % (multiple or 1) == 0
     with torch.no_grad():
         eager = [model(**row).logits for row in rows]
     torch._dynamo.reset()
@@ -383,7 +387,8 @@ def test_compiled_model_keeps_one_graph_over_new_lengths_and_counts(monkeypatch)
     with torch.no_grad():
         for row, expected in zip(rows, eager):
             compilation.mark_dynamic(row, (0, 1))
-            assert (compiled(**row).logits - expected).abs().max().item() <= LOGITS_ATOL
+            got = compiled(**row).logits
+            assert got.shape == expected.shape and (got - expected).abs().max().item() <= LOGITS_ATOL
     assert counters["stats"]["unique_graphs"] == 1
 
 
