@@ -113,6 +113,8 @@ def test_sdpa_leaves_cudnn_out_on_cuda_unless_asked():
 @pytest.mark.parametrize("flags, message", [
     (["--optim", "sgd"], "unknown --optim 'sgd' (one of adamw_torch_fused, adamw_torch)"),
     (["--attn_implementation", "fast"], "unknown --attn_implementation 'fast' (one of eager, sdpa, "),
+    (["--attn_implementation", "eager", "--sdpa_cudnn"], "--sdpa_cudnn chooses a kernel for SDPA attention; "
+     "--attn_implementation eager does not run SDPA: drop one of them"),
 ])
 def test_bad_kernel_flags_are_one_line(flags, message):
     with pytest.raises(RecipeError) as caught:

@@ -51,6 +51,9 @@ def flag_problems(cfg) -> list[str]:
         problems.append(f"unknown --optim '{cfg.optim}' (one of {', '.join(OPTIMIZERS)})")
     if cfg.attn_implementation is not None and cfg.attn_implementation not in ATTENTION:
         problems.append(f"unknown --attn_implementation '{cfg.attn_implementation}' (one of {', '.join(ATTENTION)})")
+    elif cfg.sdpa_cudnn and cfg.attn_implementation not in (None, "sdpa"):
+        problems.append(f"--sdpa_cudnn chooses a kernel for SDPA attention; --attn_implementation "
+                        f"{cfg.attn_implementation} does not run SDPA: drop one of them")
     return problems
 
 
