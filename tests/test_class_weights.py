@@ -139,3 +139,31 @@ def test_ddp_with_accumulation_trains_the_weighted_mean_of_each_window(no_dropou
     assert any(w != r["samples"] for w, r in zip(expected, ddp))  # the weights do move the normaliser
     evals = [read_jsonl(tmp_path / run / "eval.jsonl")[-1] for run in ("ddp", "one")]
     assert evals[0]["n_examples"] == evals[1]["n_examples"] == 101 and abs(evals[0]["loss"] - evals[1]["loss"]) <= 1e-5
+
+
+def test_imbalanced_summary_pairs_each_seed_and_scores_what_weights_are_for(tmp_path):
+    """scripts/imbalanced.py's summary, on runs whose numbers are chosen here: per seed, balanced - plain of macro-F1,
+    balanced accuracy (mean per-class recall, as scikit-learn's balanced_accuracy_score) and minority recall, each
+    with a t interval over the seeds; the markdown states them."""
+    from sklearn.metrics import balanced_accuracy_score
+
+    from scripts import imbalanced
+
+    def run(seed, weighted, f1, neg, pos):
+        return {"seed": seed, "weighted": weighted, "macro_f1": f1, "accuracy": 0.9, "ece": 0.01, "step": 10,
+                "recall": {"negative": neg, "positive": pos}}
+
+    runs = [run(1, False, 0.80, 1.0, 0.50), run(1, True, 0.78, 0.90, 0.75),
+            run(2, False, 0.70, 0.95, 0.25), run(2, True, 0.74, 0.85, 0.75)]
+    result = {"date": "2026-11-27", "data": {"train": {}, "validation": {}}, "flags": ["--a", "b"], "runs": runs}
+    text = imbalanced.write_results(result, tmp_path / "r")
+    # balanced accuracy of seed 1's plain run, from predictions with those recalls (4 negatives, 2 positives)
+    assert balanced_accuracy_score([0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 1, 0]) == (1.0 + 0.5) / 2
+    bal = result["balanced_accuracy_gain"]
+    assert bal["n"] == 2 and bal["mean"] == pytest.approx(((0.825 - 0.75) + (0.80 - 0.60)) / 2)
+    assert result["macro_f1_gain"]["mean"] == pytest.approx((-0.02 + 0.04) / 2)
+    assert result["minority_recall_gain"]["mean"] == pytest.approx((0.25 + 0.50) / 2)
+    half = 12.706 * abs(0.075 - 0.2) / 2 ** 0.5 / 2 ** 0.5  # t(0.975, 1) x sample sd of the gains / sqrt(2)
+    assert bal["ci95"] == pytest.approx([bal["mean"] - half, bal["mean"] + half], rel=1e-3)
+    assert "- Balanced accuracy gain (balanced - none), paired by seed: mean +0.1375" in text
+    assert (tmp_path / "r.json").is_file() and (tmp_path / "r.md").read_text() == text
