@@ -36,6 +36,8 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import subprocess
+import sys
 import time
 import types
 from pathlib import Path
@@ -174,9 +176,6 @@ def first_steps(shape: Path, variant: str, size: int, steps: int) -> dict:
 
 def first_steps_table(stem: Path, args) -> None:
     """Every variant in its own process, then <stem>.{json,md}."""
-    import subprocess
-    import sys
-
     rows = []
     for variant in VARIANTS:
         proc = subprocess.run([sys.executable, __file__, "--variant", variant, "--first_steps", str(args.first_steps),

@@ -474,3 +474,29 @@ def test_a_timed_out_step_kills_the_ranks_that_run_in_their_own_sessions(tmp_pat
     while not gone() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert gone(), f"rank {rank} outlived its killed launcher"
+
+
+def test_first_steps_runs_each_variant_on_its_own_batches(monkeypatch):
+    """scripts/padding_free_gpu.py --first_steps rehearsed on CPU (the CUDA calls stood in for, the tiny model): each
+    variant trains the default data's first micro-batches with its own flags (padded batches rounded to 8, packed
+    rows to 64, the cuDNN switch as named), one timing per micro-batch after one untimed."""
+    from helpers import TINY
+    from scripts import padding_free_gpu
+
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    monkeypatch.setattr(torch.nn.Module, "cuda", lambda self, *a, **k: self)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(padding_free_gpu, "AUTOCAST", "cpu")
+    switch = []
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", switch.append)
+    rows = {name: padding_free_gpu.first_steps(TINY, name, 4, 3) for name in padding_free_gpu.VARIANTS}
+    assert switch == [cudnn for _, _, cudnn in padding_free_gpu.VARIANTS.values()]
+    assert all(r["steps"] == len(r["ms"]) == 3 and min(r["ms"]) > 0 for r in rows.values())
+    # the same 12 samples each time: padded positions alike with and without cuDNN, more when rounded to 8 (each
+    # batch 4 x a multiple of 8), fewest packed, and packed rows rounded to 64 a multiple of 64 each
+    assert rows["padded"]["positions"] == rows["padded_no_cudnn"]["positions"]
+    assert rows["padded_8"]["positions"] == rows["padded_8_no_cudnn"]["positions"] >= rows["padded"]["positions"]
+    assert rows["padded_8"]["positions"] % 32 == 0
+    assert rows["varlen"]["positions"] < rows["padded"]["positions"]
+    assert rows["varlen_64"]["positions"] % 64 == 0
+    assert rows["varlen"]["positions"] < rows["varlen_64"]["positions"] <= rows["varlen"]["positions"] + 3 * 64
