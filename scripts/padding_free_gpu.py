@@ -136,7 +136,8 @@ def speed(model, padded, packed, unseen: dict, rounds: int = 3) -> dict:
     best = {path: min(v) for path, v in seconds.items()}
     device = {path: kernel_seconds(model, sets[path], path) for path in sets}
     return {"seconds": seconds, "unseen_seconds": first, "unseen_batches": len(unseen["padded"]),
-            "unseen_speedup": first["padded"] / first["varlen"], "real_tokens": real, "padded_positions": positions, "bound": positions / real,
+            "unseen_speedup": first["padded"] / first["varlen"], "real_tokens": real, "padded_positions": positions,
+            "bound": positions / real,
             "speedup": {path: best["padded"] / best[path] for path in ("varlen", "grouped")},
             "kernel_seconds": {path: k for path, (k, _) in device.items()},
             "kernel_share": {path: k / wall for path, (k, wall) in device.items()},
@@ -265,7 +266,8 @@ def write_results(result: dict, stem: Path) -> None:
              "time / wall time of that round); unseen: varlen / dynamic padding once on the same samples shuffled "
              "with another seed, shapes not run before.", "",
              "| batch | micro-batches | bound P/R | varlen speed-up | grouped speed-up | varlen / bound | "
-             "ms per micro-batch padded / varlen | unseen speed-up varlen | kernel-time speed-up varlen | GPU busy padded / varlen | "
+             "ms per micro-batch padded / varlen | unseen speed-up varlen | kernel-time speed-up varlen | "
+             "GPU busy padded / varlen | "
              "max \\|Δlogit\\| varlen bf16 | grouped bf16 | grouped fp32 |",
              "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for row in result["rows"]:

@@ -3,9 +3,9 @@
 In-process: every accepted architecture's packed logits (and gradients) against the padded model's, and proof that
 the comparison catches the two bugs users report (RoBERTa's positions counted from 0, sequences that see each
 other). Launched (10 runs of the dropout-free tiny model): dynamic padding on DDP as the reference; padding-free on
-one process (its rows rounded up to a multiple of 8), DDP, FSDP2, ZeRO-2, ZeRO-3 and ZeRO-3 with CPU offload (DeepSpeed's CPU Adam, in AdamW mode) with
-accumulation and a partial last window; a mid-epoch resume; with --group_by_length on one process against grouped
-dynamic padding.
+one process (its rows rounded up to a multiple of 8), DDP, FSDP2, ZeRO-2, ZeRO-3 and ZeRO-3 with CPU offload
+(DeepSpeed's CPU Adam, in AdamW mode) with accumulation and a partial last window; a mid-epoch resume; with
+--group_by_length on one process against grouped dynamic padding.
 """
 from __future__ import annotations
 
@@ -64,7 +64,12 @@ def batches(config, arch: str, start: int, multiple: int = 0):
     return padded, packed, torch.tensor([f["labels"] for f in features])
 
 
-ON = types.SimpleNamespace(padding_free=True, attn_implementation=None, pad_to_multiple_of=None)
+def flags_on(multiple: int = 0):
+    """The flags padding_free.apply reads: --padding_free, and --pad_to_multiple_of `multiple` when given."""
+    return types.SimpleNamespace(padding_free=True, attn_implementation=None, pad_to_multiple_of=multiple or None)
+
+
+ON = flags_on()
 
 
 def varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale=None):
@@ -89,7 +94,6 @@ def test_packed_logits_and_gradients_equal_the_padded_model(arch, groups, multip
     # multiple 8 (--pad_to_multiple_of 8): the 29 tokens rounded up to 32 by a filler sequence of 3, its own group
     monkeypatch.setattr(padding_free, "GROUP_OVERHEAD", 0 if groups == "per_length" else padding_free.GROUP_OVERHEAD)
     assert len(padding_free.length_groups(LENGTHS)) == (len(LENGTHS) if groups == "per_length" else 1)
-    on = types.SimpleNamespace(**{**vars(ON), "pad_to_multiple_of": multiple or None})
     calls = []
     if groups == "varlen":
         monkeypatch.setattr(padding_free, "_VARLEN", lambda *a, **k: calls.append(1) or varlen_stand_in(*a, **k))
@@ -106,7 +110,7 @@ def test_packed_logits_and_gradients_equal_the_padded_model(arch, groups, multip
         torch.nn.functional.cross_entropy(logits, labels).backward()
         reference[mode] = logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
                                             if p.grad is not None}
-    padding_free.apply(on, model)
+    padding_free.apply(flags_on(multiple), model)
     for mode in ("eval", "train"):
         getattr(model, mode)()
         model.zero_grad()
@@ -209,7 +213,7 @@ def test_rounded_rows_end_in_a_filler_sequence_the_head_never_sees():
     padded, _, _ = batches(config, "roberta", padding_free.first_position(config))
     with torch.no_grad():
         reference = model.base_model(**padded).last_hidden_state  # (4, 13, 32)
-        padding_free.apply(types.SimpleNamespace(**{**vars(ON), "pad_to_multiple_of": 8}), model)
+        padding_free.apply(flags_on(8), model)
         _, packed, _ = batches(config, "roberta", padding_free.first_position(config), 8)
         got = model.base_model(**{k: v for k, v in packed.items() if k not in ("labels", "row")}).last_hidden_state
     assert got.shape == (4, 16, 32)  # the padded batch's 13 rounded up to 16, no row for the filler
@@ -370,7 +374,7 @@ def test_compiled_model_keeps_one_graph_over_new_lengths_and_counts(multiple, mo
 
     model, config = tiny("roberta")
     model.eval()
-    padding_free.apply(types.SimpleNamespace(**{**vars(ON), "pad_to_multiple_of": multiple or None}), model)
+    padding_free.apply(flags_on(multiple), model)
     gen = torch.Generator().manual_seed(3)
     rows = []
     for count in (4, 3, 5, 4):  # other sequence counts, lengths and longest lengths each call
