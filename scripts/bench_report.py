@@ -10,6 +10,7 @@ import datetime as dt
 import json
 import math
 import os
+import random
 import re
 import statistics
 from pathlib import Path
@@ -28,6 +29,12 @@ GOALS = {"recipe_vs_hand_loop_same_process": ("<=", 1.03), "trainer_vs_recipe_sa
          # padding-free batches: at least 0.85 of the speed-up that computing only the real tokens bounds (P/R), and
          # grouped batches, already nearly without padding, not slowed by more than 3%
          "padding_free_fraction_of_bound": (">=", 0.85), "padding_free_grouped_vs_grouped": (">=", 0.97)}
+# The headline ratios (issue 37): each is reported with the 95% bootstrap interval of its median, whose half-width
+# should be at most HALF_WIDTH_GOAL, so that a change of a few percent can be told from the noise.
+HEADLINES = ("recipe_vs_hand_loop_same_process", "trainer_vs_recipe_same_process", "recipe_vs_hand_loop_time",
+             "trainer_vs_recipe_time")
+HALF_WIDTH_GOAL = 0.03
+BOOTSTRAP_RESAMPLES = 2000
 ACCURACY_POINTS = 0.5  # grouped batches may move accuracy by at most this many points (mean over the rounds)
 COMM_TOLERANCE = 0.10  # measured / predicted communication further than this from 1 is explained below the table
 # Why a strategy's measured bytes per step depart from the textbook (2 psi (n-1)/n for DDP and ZeRO-1/2, 3 psi (n-1)/n
@@ -80,13 +87,24 @@ def round_order(items: list, r: int) -> list:
     return items[::-1] if r % 2 else items
 
 
-def spread(values: list, set_aside=(), kept=None) -> dict:
-    """Median and min-max of `values`; `set_aside`, where given, names the rounds (or blocks) left out of them, `kept`
-    says which values count (all by default). Where every one was set aside, the figures are of all of them, marked
-    `all_disturbed`: a number with a warning says more than none."""
+def median_interval(values: list, resamples: int = BOOTSTRAP_RESAMPLES) -> list | None:
+    """The 95% percentile-bootstrap interval of the median of `values` (rounds or blocks drawn with replacement,
+    `resamples` times, from a fixed seed: the same records always give the same interval); None below 2 values."""
+    if len(values) < 2:
+        return None
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return [medians[round(0.025 * (resamples - 1))], medians[round(0.975 * (resamples - 1))]]
+
+
+def spread(values: list, set_aside=(), kept=None, interval: bool = False) -> dict:
+    """Median and min-max of `values` (with `interval`, also the median's 95% bootstrap interval, `ci95`);
+    `set_aside`, where given, names the rounds (or blocks) left out of them, `kept` says which values count (all by
+    default). Where every one was set aside, the figures are of all of them, marked `all_disturbed`: a number with a
+    warning says more than none."""
     kept = [v for v, k in zip(values, kept or [True] * len(values)) if k] or None
     out = {"median": statistics.median(kept or values), "min": min(kept or values), "max": max(kept or values),
-           "rounds": len(kept or values)}
+           "rounds": len(kept or values), **({"ci95": median_interval(kept or values)} if interval else {})}
     return {**out, "set_aside": list(set_aside), **({} if kept else {"all_disturbed": True})} if set_aside else out
 
 
@@ -112,7 +130,7 @@ def round_ratio(by_round: dict, a: str, b: str, disturbed: set, scale=None):
     pairs = [(n, rnd[a]["epoch_s"] / rnd[b]["epoch_s"] * (scale(rnd) if scale else 1)) for n, rnd in by_round.items()
              if a in rnd and b in rnd and rnd[a].get("epoch_s") and rnd[b].get("epoch_s")]
     aside = [n for n, _ in pairs if {id(by_round[n][a]), id(by_round[n][b])} & disturbed]
-    return spread([v for _, v in pairs], aside, [n not in aside for n, _ in pairs]) if pairs else None
+    return spread([v for _, v in pairs], aside, [n not in aside for n, _ in pairs], interval=True) if pairs else None
 
 
 def padding_free_figures(by_round: dict, disturbed: set) -> dict:
@@ -170,8 +188,10 @@ def ratios(runs: list) -> dict:
             _, aside = bench_load.screen_blocks(blocks, alternate.get("threads") or 1)
             named = [f"{b.get('round', 0)}:{b['steps'][0]}-{b['steps'][1]}" for b, _ in aside]
             kept = [all(b is not a for a, _ in aside) for b in blocks]
-            entry["recipe_vs_hand_loop_same_process"] = spread([e["recipe"] / e["loop"] for e in blocks], named, kept)
-            entry["trainer_vs_recipe_same_process"] = spread([e["trainer"] / e["recipe"] for e in blocks], named, kept)
+            entry["recipe_vs_hand_loop_same_process"] = spread([e["recipe"] / e["loop"] for e in blocks], named, kept,
+                                                               interval=True)
+            entry["trainer_vs_recipe_same_process"] = spread([e["trainer"] / e["recipe"] for e in blocks], named, kept,
+                                                             interval=True)
         entry["disturbed"] = disturbance_summary(screened, alternate)
         first = by_round.get(0, {}).values()
         entry["memory_measured_vs_predicted"] = {r["name"]: r["memory_ratio"] for r in first if r["memory_ratio"]}
@@ -287,8 +307,19 @@ def goal_text(key: str, median: float) -> str:
     return f" (goal {op} {bound}: {'met' if met else 'NOT met'})"
 
 
+def interval_text(key: str, ci95) -> str:
+    """The median's 95% interval, and for a headline ratio its half-width against HALF_WIDTH_GOAL."""
+    if not ci95:  # one round, or a results file from before the intervals (its records --rerender)
+        return ""
+    half = (ci95[1] - ci95[0]) / 2
+    goal = (f", half-width {half:.3f} (goal <= {HALF_WIDTH_GOAL}: {'met' if half <= HALF_WIDTH_GOAL else 'NOT met'})"
+            if key in HEADLINES else "")
+    return f"; 95% interval of the median {ci95[0]:.3f}-{ci95[1]:.3f}{goal}"
+
+
 def ratio_lines(results: dict) -> list:
-    """One line per ratio: the median over the interleaved rounds, its min-max and the goal."""
+    """One line per ratio: the median over the interleaved rounds (or blocks), its min-max, its 95% interval and the
+    goal."""
     lines = []
     for model, entry in results["ratios"].items():
         for key, text in RATIO_TEXT.items():
@@ -301,7 +332,7 @@ def ratio_lines(results: dict) -> list:
             left_out = (f", {len(aside)} set aside as disturbed: " + ", ".join(map(str, aside))) if aside else ""
             left_out = "; every one disturbed, so all kept: not to be trusted" if r.get("all_disturbed") else left_out
             lines.append(f"- {model}, {text}: **{r['median']:.3f}x** (min {r['min']:.3f}, max {r['max']:.3f}; "
-                         f"{r['rounds']} {where}{left_out})"
+                         f"{r['rounds']} {where}{left_out}{interval_text(key, r.get('ci95'))})"
                          f"{goal_text(key, r['median'])}")
         acc = entry.get("accuracy") or {}
         if acc:

@@ -146,9 +146,49 @@ def fake_results() -> dict:
             "runs": runs, "ratios": bench_report.ratios(runs)}
 
 
+def no_interval(ratio: dict) -> dict:
+    """A ratio's median, min-max and rounds, its bootstrap interval set apart: over 2 to 4 rounds the interval is
+    always [min, max] (a median of 4 draws falls on the lowest of 4 values with probability 13/256, above 0.025)."""
+    ratio = dict(ratio)
+    assert ratio.pop("ci95") == [ratio["min"], ratio["max"]]
+    return ratio
+
+
+def test_headline_ratios_carry_the_bootstrap_interval_of_their_median():
+    """60 blocks whose ratios are known: the median's 95% interval is the one computed here by the same recipe
+    (2,000 resamples) and lies inside min-max, about as wide as the normal approximation of a median's spread; the
+    same blocks always give the same interval; a headline ratio states its half-width against the goal, another
+    ratio only its interval, and one value has none."""
+    import random
+    import statistics
+
+    values = [1.0 + 0.1 * ((i * 37) % 60 - 29.5) / 29.5 for i in range(60)]  # evenly spread over [0.9, 1.1]
+    ci = bench_report.median_interval(values)
+    assert ci == bench_report.median_interval(list(values))  # seeded
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=60)) for _ in range(2000))
+    assert ci == [medians[50], medians[1949]]
+    assert min(values) < ci[0] < statistics.median(values) < ci[1] < max(values)
+    # a uniform spread of width 0.2: the median's standard error is about 0.2 / (2 sqrt 60), 1.96 of them 0.025
+    assert 0.015 < (ci[1] - ci[0]) / 2 < 0.04
+    assert bench_report.median_interval([1.0]) is None
+    same = bench_report.spread(values, interval=True)
+    assert same["ci95"] == ci and "ci95" not in bench_report.spread(values)
+    wide = {**same, "ci95": [0.9, 1.2]}
+    text = "\n".join(bench_report.ratio_lines({"ratios": {"tiny": {
+        "recipe_vs_hand_loop_same_process": same, "trainer_vs_recipe_time": wide, "pad128_vs_dynamic_time": wide}}}))
+    half = (ci[1] - ci[0]) / 2
+    assert (f"60 blocks of steps taken in turn in one process; 95% interval of the median {ci[0]:.3f}-{ci[1]:.3f}, "
+            f"half-width {half:.3f} (goal <= 0.03: met)) (goal <= 1.03: met)") in text
+    assert "4 interleaved rounds" not in text and "60 interleaved rounds; 95% interval of the median 0.900-1.200, " \
+        "half-width 0.150 (goal <= 0.03: NOT met))" in text
+    assert "pad-to-128 / dynamic padding: **1.000x** (min 0.900, max 1.100; 60 interleaved rounds; 95% interval of " \
+        "the median 0.900-1.200)\n" in text + "\n"
+
+
 def test_ratios_are_medians_of_the_interleaved_rounds():
     got = bench_report.ratios(fake_results()["runs"])["tiny"]
-    assert got["recipe_vs_hand_loop_time"] == pytest.approx(
+    assert no_interval(got["recipe_vs_hand_loop_time"]) == pytest.approx(
         {"median": (10 / 9.5 + 1.2) / 2, "min": 10 / 9.5, "max": 1.2, "rounds": 2})
     assert got["accuracy"] == {"single": [0.61, 0.6]} and "trainer_vs_recipe_time" not in got
     assert got["memory_measured_vs_predicted"] == {"single": pytest.approx(18_100_000 / 18_042_000), "loop":
@@ -164,13 +204,13 @@ def test_grouped_ratios_and_accuracy_are_paired_by_round():
             run("single", 1, 8.0, 0.610), run("pad128", 1, 9.0, 0.610), run("grouped", 1, 5.0, 0.620),
             run("single", 2, 7.0, 0.590), run("grouped", 2, 3.5, 0.580)]  # round 2 lost its pad128 run
     got = bench_report.ratios(runs)["tiny"]
-    assert got["grouped_speedup_vs_pad128"] == pytest.approx({"median": 2.15, "min": 1.8, "max": 2.5, "rounds": 2})
-    assert got["grouped_speedup_vs_dynamic"] == pytest.approx({"median": 2.0, "min": 1.6, "max": 2.25, "rounds": 3})
+    assert no_interval(got["grouped_speedup_vs_pad128"]) == pytest.approx({"median": 2.15, "min": 1.8, "max": 2.5, "rounds": 2})
+    assert no_interval(got["grouped_speedup_vs_dynamic"]) == pytest.approx({"median": 2.0, "min": 1.6, "max": 2.25, "rounds": 3})
     diff = got["grouped_minus_dynamic_accuracy_points"]
     assert diff["mean"] == pytest.approx((-0.2 + 1.0 - 1.0) / 3) and diff["min"] == pytest.approx(-1.0)
     text = "\n".join(bench_report.ratio_lines({"ratios": {"tiny": got}}))
-    assert "grouped batches' speed-up over pad-to-128: **2.150x** (min 1.800, max 2.500; 2 interleaved rounds) " \
-           "(goal >= 2.0: met)" in text
+    assert "grouped batches' speed-up over pad-to-128: **2.150x** (min 1.800, max 2.500; 2 interleaved rounds; 95% " \
+           "interval of the median 1.800-2.500) (goal >= 2.0: met)" in text
     assert "grouped - dynamic accuracy: **-0.07 points** mean" in text and "goal within 0.5: met" in text
 
 
@@ -182,8 +222,8 @@ def test_kernel_ratios_compare_the_default_recipe_with_its_plain_kernels_by_roun
     runs = [run("single", 0, 10.0), run("unfused", 0, 11.0), run("eager_attn", 0, 12.0),
             run("single", 1, 8.0), run("unfused", 1, 9.6), run("eager_attn", 1, 8.8)]
     got = bench_report.ratios(runs)["tiny"]
-    assert got["fused_adamw_speedup"] == pytest.approx({"median": 1.15, "min": 1.1, "max": 1.2, "rounds": 2})
-    assert got["sdpa_speedup_vs_eager"] == pytest.approx({"median": 1.15, "min": 1.1, "max": 1.2, "rounds": 2})
+    assert no_interval(got["fused_adamw_speedup"]) == pytest.approx({"median": 1.15, "min": 1.1, "max": 1.2, "rounds": 2})
+    assert no_interval(got["sdpa_speedup_vs_eager"]) == pytest.approx({"median": 1.15, "min": 1.1, "max": 1.2, "rounds": 2})
     text = "\n".join(bench_report.ratio_lines({"ratios": {"tiny": got}}))
     assert "fused AdamW's speed-up over torch's per-parameter AdamW (recipe, epoch): **1.150x**" in text
 
@@ -199,7 +239,7 @@ def test_lora_row_is_timed_by_round_and_its_state_compared_with_full_fine_tuning
     runs = [run("single", 0, 10.0, 18 * 2**20, 1.0), run("lora", 0, 8.0, 6 * 2**20, 1.006),
             run("single", 1, 12.0), run("lora", 1, 10.0)]
     got = bench_report.ratios(runs)["tiny"]
-    assert got["lora_speedup_vs_full"] == pytest.approx({"median": 1.225, "min": 1.2, "max": 1.25, "rounds": 2})
+    assert no_interval(got["lora_speedup_vs_full"]) == pytest.approx({"median": 1.225, "min": 1.2, "max": 1.25, "rounds": 2})
     assert got["lora_state_vs_full"]["ratio"] == pytest.approx(1 / 3)
     text = "\n".join(bench_report.ratio_lines({"ratios": {"tiny": got}}))
     assert "LoRA (r 8) / full fine-tuning, model state per rank: **0.333x** (6.00 / 18.00 MiB; LoRA measured / " \
@@ -228,6 +268,26 @@ def test_schedule_interleaves_the_compared_runs_then_runs_the_strategies_once():
     for a, b, apart in (("padding_free_grouped", "grouped", 1), ("grouped", "single", 1),
                         ("single", "padding_free", 1), ("pad128", "grouped", 2)):
         assert abs(first.index(a) - first.index(b)) == apart, (a, b)
+
+
+def test_quick_profile_leaves_the_kernel_rows_to_full(monkeypatch):
+    """`make bench` (quick) runs every baseline but unfused and eager_attn (decided by BENCH=kernels), BENCH=full
+    all of them, and --baselines names its own."""
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def run_bench(profile, strategies, baselines, runs_dir, recipe):
+        seen.append(tuple(baselines))
+        raise Stop
+
+    monkeypatch.setattr(bench, "run_bench", run_bench)
+    for argv in (["--profile", "quick"], ["--profile", "full"], ["--profile", "quick", "--baselines", "unfused"]):
+        with pytest.raises(Stop):
+            bench.main(argv)
+    quick = tuple(name for name in bench.BASELINES if name not in ("unfused", "eager_attn"))
+    assert seen == [quick, bench.BASELINES, ("unfused",)] and "lora" in quick and "alternate" in quick
 
 
 def test_every_run_gets_the_machine_in_threads_and_grouped_gets_its_flag(tmp_path, monkeypatch):
@@ -271,10 +331,12 @@ def test_results_writer_writes_md_json_png_and_the_readme_block(tmp_path):
                         "| - | - | - | 1097 | 0.610 | 2.5% |")
     assert table[1].startswith("| tiny | fsdp | | | | failed: ValueError: no FSDP on CPU |")
     assert len(table) == 3  # neither round 1 nor the alternate run (ratios only) is in the main table
-    assert "tiny, recipe (accelerate launch) / hand-written loop, separate processes: **1.126x** " \
-           "(min 1.053, max 1.200; 2 interleaved rounds)\n" in md
+    assert "tiny, recipe (accelerate launch) / hand-written loop, separate processes: **1.126x** (min 1.053, max " \
+           "1.200; 2 interleaved rounds; 95% interval of the median 1.053-1.200, half-width 0.074 (goal <= 0.03: NOT " \
+           "met))\n" in md
     assert "recipe / hand-written loop, same process: **0.990x** (min 0.970, max 1.010; 2 blocks of steps taken in " \
-           "turn in one process) (goal <= 1.03: met)" in md and "Trainer / recipe, same process: **1.050x**" in md
+           "turn in one process; 95% interval of the median 0.970-1.010, half-width 0.020 (goal <= 0.03: met)) (goal " \
+           "<= 1.03: met)" in md and "Trainer / recipe, same process: **1.050x**" in md
     assert "| tiny | 1 | 43 | 12.00 | 10.00 | 0.600 | 0.610 | 2 |" in md  # the rounds table
     assert f"![throughput and memory]({paths['png'].name})" in md
 
@@ -515,11 +577,11 @@ def test_a_disturbed_run_is_repeated_and_set_aside_when_it_stays_disturbed(monke
     undisturbed = [2 * (1 + r / 100) / (1 + r / 50) for r in (0, 1, 3)]
     speedup = dict(results["ratios"]["tiny"]["grouped_speedup_vs_pad128"])
     assert speedup.pop("set_aside") == [2]
-    assert speedup == pytest.approx({"median": undisturbed[1], "min": undisturbed[2], "max": undisturbed[0],
+    assert no_interval(speedup) == pytest.approx({"median": undisturbed[1], "min": undisturbed[2], "max": undisturbed[0],
                                      "rounds": 3})
     text = "\n".join(bench_report.ratio_lines(results))
     assert "grouped batches' speed-up over pad-to-128: **1.980x** (min 1.943, max 2.000; 3 interleaved rounds, 1 set " \
-           "aside as disturbed: 2)" in text
+           "aside as disturbed: 2; 95% interval of the median 1.943-2.000)" in text
     assert "disturbed runs launched again (4): pad128#1: CPU share 0.60 < 0.85 x 0.90; grouped#2: others' CPU 0.50 " \
            "of the machine > 0.1; grouped#2 (repeat 1): others' CPU 0.50 of the machine > 0.1; grouped#3: " in text
     assert "disturbed runs still disturbed, set aside (1): grouped#2 (repeat 2): others' CPU 0.50" in text
@@ -570,14 +632,14 @@ def test_padding_free_rows_are_interleaved_beside_dynamic_and_grouped_and_report
         assert ("--group_by_length" in command) == run["name"].endswith("grouped"), run["name"]
 
     got = results["ratios"]["tiny"]
-    assert got["padding_free_speedup_vs_dynamic"] == pytest.approx(
+    assert no_interval(got["padding_free_speedup_vs_dynamic"]) == pytest.approx(
         {"median": (12 / 5.2 + 2.4) / 2, "min": 2.0, "max": 2.5, "rounds": 4})
     assert got["padding_free_bound"] == pytest.approx({"median": (8 / 3 + 2.5) / 2, "min": 2.5, "max": 8 / 3,
                                                        "rounds": 4})
     # speed-up x real / padded: 2.4 x 0.375, 2.5 x 0.4, 2.308 x 0.375, 2.0 x 0.4
-    assert got["padding_free_fraction_of_bound"] == pytest.approx(
+    assert no_interval(got["padding_free_fraction_of_bound"]) == pytest.approx(
         {"median": (0.9 + 12 / 5.2 * 0.375) / 2, "min": 0.8, "max": 1.0, "rounds": 4})
-    assert got["padding_free_grouped_vs_grouped"] == pytest.approx(
+    assert no_interval(got["padding_free_grouped_vs_grouped"]) == pytest.approx(
         {"median": (4 / 4.1 + 1.0) / 2, "min": 4 / 4.2, "max": 4 / 3.9, "rounds": 4})
     assert got["padding_free_real_vs_computed"] == {
         name: {"median": 1.0, "min": 1.0, "max": 1.0, "rounds": 4} for name in ("padding_free", "padding_free_grouped")}
@@ -587,13 +649,13 @@ def test_padding_free_rows_are_interleaved_beside_dynamic_and_grouped_and_report
 
     text = "\n".join(bench_report.ratio_lines(results))
     assert "- tiny, padding-free batches' speed-up over dynamic padding: **2.354x** (min 2.000, max 2.500; 4 " \
-           "interleaved rounds)\n" in text
+           "interleaved rounds; 95% interval of the median 2.000-2.500)\n" in text
     assert "- tiny, bound of that speed-up, P/R: positions dynamic padding computes / real tokens: **2.583x** (min " \
            "2.500, max 2.667; 4 interleaved rounds)\n" in text
     assert "- tiny, padding-free batches' speed-up / its bound P/R: **0.883x** (min 0.800, max 1.000; 4 interleaved " \
-           "rounds) (goal >= 0.85: met)\n" in text
+           "rounds; 95% interval of the median 0.800-1.000) (goal >= 0.85: met)\n" in text
     assert "- tiny, padding-free grouped batches' speed-up over grouped batches: **0.988x** (min 0.952, max 1.026; 4 " \
-           "interleaved rounds) (goal >= 0.97: met)\n" in text
+           "interleaved rounds; 95% interval of the median 0.952-1.026) (goal >= 0.97: met)\n" in text
     assert "- tiny, padding-free - dynamic accuracy: **+0.10 points** mean (min -0.20, max +0.40; 4 rounds; dropout " \
            "draws differently)\n" in text
     assert "- tiny, real / computed positions of the padding-free runs (tokens / padded_tokens of their records): " \
@@ -631,7 +693,7 @@ def test_same_process_ratios_leave_out_disturbed_blocks():
     got = bench_report.ratios(runs)["tiny"]
     same = got["recipe_vs_hand_loop_same_process"]
     assert same.pop("set_aside") == ["0:21-25", "0:26-30"]
-    assert same == pytest.approx({"median": 1.02, "min": 1.01, "max": 1.03, "rounds": 3})
+    assert no_interval(same) == pytest.approx({"median": 1.02, "min": 1.01, "max": 1.03, "rounds": 3})
     text = "\n".join(bench_report.ratio_lines({"ratios": {"tiny": got}}))
     assert "disturbed same-process blocks, out of the ratios: 2 of 5: round 0 steps 21-25: others' CPU 0.30 of the " \
            "machine > 0.1; round 0 steps 26-30: CPU share 0.50 < 0.85 x 0.95" in text
