@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import json
+import random
+import statistics
 
 import pytest
 
@@ -159,9 +161,6 @@ def test_headline_ratios_carry_the_bootstrap_interval_of_their_median():
     (2,000 resamples) and lies inside min-max, about as wide as the normal approximation of a median's spread; the
     same blocks always give the same interval; a headline ratio states its half-width against the goal, another
     ratio only its interval, and one value has none."""
-    import random
-    import statistics
-
     values = [1.0 + 0.1 * ((i * 37) % 60 - 29.5) / 29.5 for i in range(60)]  # evenly spread over [0.9, 1.1]
     ci = bench_report.median_interval(values)
     assert ci == bench_report.median_interval(list(values))  # seeded
@@ -180,8 +179,8 @@ def test_headline_ratios_carry_the_bootstrap_interval_of_their_median():
     half = (ci[1] - ci[0]) / 2
     assert (f"60 blocks of steps taken in turn in one process; 95% interval of the median {ci[0]:.3f}-{ci[1]:.3f}, "
             f"half-width {half:.3f} (goal <= 0.03: met)) (goal <= 1.03: met)") in text
-    assert "4 interleaved rounds" not in text and "60 interleaved rounds; 95% interval of the median 0.900-1.200, " \
-        "half-width 0.150 (goal <= 0.03: NOT met))" in text
+    assert "60 interleaved rounds; 95% interval of the median 0.900-1.200, half-width 0.150 (goal <= 0.03: NOT " \
+        "met))" in text
     assert "pad-to-128 / dynamic padding: **1.000x** (min 0.900, max 1.100; 60 interleaved rounds; 95% interval of " \
         "the median 0.900-1.200)\n" in text + "\n"
 
