@@ -566,8 +566,9 @@ def fingerprint(n_gpus: int, profile) -> dict:
 
     profile_dict = asdict(profile)
     profile_dict["models"] = [{k: v for k, v in m.items() if k != "path"} for m in profile_dict["models"]]
-    return {"check_version": CHECK_VERSION, "torch": torch.__version__,
-            "gpus": [torch.cuda.get_device_name(i) for i in range(n_gpus)], "profile": profile_dict}
+    key = {"check_version": CHECK_VERSION, "torch": torch.__version__,
+           "gpus": [torch.cuda.get_device_name(i) for i in range(n_gpus)], "profile": profile_dict}
+    return json.loads(json.dumps(key))  # as state.json holds it (tuples become lists), so that the two compare equal
 
 
 def load_state(path: Path, key: dict, fresh: bool) -> dict:
