@@ -1,9 +1,8 @@
 """Every strategy side by side on the same work, against the baselines users would pick instead.
 
-    make bench                 # quick: the tiny model in fp32, every strategy + baselines (its results .md says how
-    long it took) make bench BENCH=full      # + roberta-base and roberta-large shapes (random init) in bf16, for GPU
-    machines make bench BENCH=compile   # torch.compile vs eager, tiny and roberta-base shape, fp32:
-    scripts/bench_compile.py
+    make bench                 # quick: the tiny model in fp32, every strategy + baselines (but unfused, eager_attn)
+    make bench BENCH=full      # + roberta-base and roberta-large shapes (random init) in bf16, and every baseline
+    make bench BENCH=compile   # torch.compile vs eager, tiny and roberta-base shape, fp32: scripts/bench_compile.py
 
 Each run trains the same data, seed, number of optimizer steps and effective batch; throughput counts the steps after
 a warm-up, from the recipe's metrics.jsonl (elapsed, samples, tokens). Runs go to runs/bench/<model>_<run>; the
@@ -16,7 +15,8 @@ a hand-written PyTorch loop and transformers.Trainer (scripts/bench_baselines.py
 recipe padding every batch to 128 tokens (--pad_to_max_length) instead of to the longest sequence, the recipe with
 length-grouped batches (--group_by_length), without padding (`padding_free`, --padding_free: each micro-batch packed
 into one row) and both (`padding_free_grouped`), and the recipe with torch's per-parameter AdamW (`unfused`, --optim
-adamw_torch) or eager attention (`eager_attn`) instead of its defaults (recipes/model/kernels.py), the recipe training
+adamw_torch) or eager attention (`eager_attn`) instead of its defaults (recipes/model/kernels.py; BENCH=full only:
+QUICK_BASELINES), the recipe training
 LoRA adapters of rank 8 and the head on the frozen model (`lora`, --use_peft: its model state and speed beside full
 fine-tuning's; skipped for a model built from random init, or without the lora extra); and `alternate`, the recipe,
 the loop and Trainer in three threads of one process, taking
@@ -25,7 +25,8 @@ fails is reported with its error and skipped.
 
 The one-process runs that the ratios compare (COMPARED) run in interleaved rounds, A B C D E, E D C B A, ..., round r
 with seed 42 + r, so that a change of load on the machine hits every side alike; each ratio is taken within a round
-(the same seed, so the same samples), and reported as the median over the rounds with its min-max. Every run gets
+(the same seed, so the same samples), and reported as the median over the rounds with its min-max and the median's
+95% bootstrap interval (scripts/bench_report.py median_interval). Every run gets
 the whole machine: on CPU each process gets cores / processes threads (OMP_NUM_THREADS, and --cpu_threads for the
 recipe), recorded as `threads`.
 
