@@ -1,11 +1,13 @@
 """The recipe's host work per training step, piece by piece, against what a hand-written loop does instead.
 
-    python scripts/bench_host.py        # about 1 minute on 2 CPU cores
+    python scripts/bench_host.py        # about 20 seconds on 2 CPU cores
 
 Each piece is timed with `timeit` (the median of --repeat runs of --number calls) on a model of 18 parameters and
 batches already in memory, so that nothing but the bookkeeping runs: the recipe's `StepLog` (recipes/outputs/
-records.py) at `--logging_steps 1` as `make bench` runs it, with and without TensorBoard, and Accelerate's wrappers of
-the optimizer, the scheduler, the loader and `accumulate`, each as the difference from the plain object it wraps.
+records.py) at `--logging_steps 1` as `make bench` runs it, TensorBoard included, and apart from it the one
+`accelerator.log` call per step that reaches TensorBoard; against them the hand-written loop's record; and
+Accelerate's wrappers of the optimizer, the scheduler, the loader and `accumulate`, each as the difference from the
+plain object it wraps.
 docs/speed.md ("Per step") quotes a run; the recipe's step on the tiny model takes about 80 ms, so 1 ms is 1.2%.
 """
 from __future__ import annotations
@@ -65,7 +67,8 @@ def pieces(number: int = 2000, repeat: int = 7, folder: Path | None = None) -> d
 
     progress = tqdm(disable=True)
     out = {
-        "StepLog, TensorBoard on": per_call(step_log(records.StepLog(accelerator, folder / "metrics.jsonl", 1, progress))),
+        "StepLog, TensorBoard on": per_call(step_log(records.StepLog(accelerator, folder / "metrics.jsonl", 1,
+                                                                     progress))),
         "accelerator.log, 3 scalars to TensorBoard": per_call(
             lambda: accelerator.log({"a": 1.0, "b": 2.0, "c": 3.0}, step=1)),
         "the loop's record": per_call(loop_record),
