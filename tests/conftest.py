@@ -106,33 +106,13 @@ def ddp_parity_reference(tiny_model, tmp_path_factory):
     return out
 
 
-# The longest files first: under `make test`'s two pytest-xdist workers (--dist loadfile, a file per worker in
-# collection order) a long file collected last runs alone at the end while the other core idles. FILE_SECONDS holds
-# each file's seconds from a `make test` run, which writes them to runs/test_file_seconds.json (copy that file over
-# this one when files change much); a file it does not name yet counts as the longest, so that it starts early.
-# Order only: every file still runs whole on one worker, its tests in their own order.
-FILE_SECONDS = REPO / "tests" / "file_seconds.json"
-_seconds_run: dict = {}
+# The files with the longest chains of launches, collected first: under `make test`'s two pytest-xdist workers
+# (--dist loadfile, a file per worker in collection order) they start at once instead of last, so that no one file
+# runs alone at the end while the other core idles. Order only: every file still runs whole on one worker.
+LONG_FIRST = ["test_resume.py", "test_elastic.py", "test_strategies.py", "test_long_runs.py", "test_pretrained.py",
+              "test_lora.py"]
 
 
 def pytest_collection_modifyitems(config, items):
-    seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.is_file() else {}
-    unknown = max(seconds.values(), default=0.0) + 1.0
-    items.sort(key=lambda item: -seconds.get(item.path.name, unknown))  # stable: a file's tests keep their order
-
-
-def pytest_runtest_logreport(report):
-    name = report.nodeid.split("::")[0].rsplit("/", 1)[-1]
-    _seconds_run[name] = _seconds_run.get(name, 0.0) + report.duration  # setup, call and teardown
-
-
-def pytest_sessionfinish(session):
-    """The controller (not an xdist worker) writes every file's seconds of a whole run (every test file ran),
-    longest first."""
-    every_file = {path.name for path in (REPO / "tests").glob("test_*.py")}
-    if hasattr(session.config, "workerinput") or not every_file <= set(_seconds_run):
-        return
-    path = REPO / "runs" / "test_file_seconds.json"
-    path.parent.mkdir(exist_ok=True)
-    ordered = dict(sorted(((k, round(v, 1)) for k, v in _seconds_run.items()), key=lambda kv: -kv[1]))
-    path.write_text(json.dumps(ordered, indent=1) + "\n")
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))  # stable: the rest keep their order
