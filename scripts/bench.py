@@ -16,19 +16,17 @@ recipe padding every batch to 128 tokens (--pad_to_max_length) instead of to the
 length-grouped batches (--group_by_length), without padding (`padding_free`, --padding_free: each micro-batch packed
 into one row) and both (`padding_free_grouped`), and the recipe with torch's per-parameter AdamW (`unfused`, --optim
 adamw_torch) or eager attention (`eager_attn`) instead of its defaults (recipes/model/kernels.py; BENCH=full only:
-QUICK_BASELINES), the recipe training
-LoRA adapters of rank 8 and the head on the frozen model (`lora`, --use_peft: its model state and speed beside full
-fine-tuning's; skipped for a model built from random init, or without the lora extra); and `alternate`, the recipe,
-the loop and Trainer in three threads of one process, taking
-turns every 5 optimizer steps (scripts/bench_baselines.py alternate), the basis of the overhead ratios. A launch that
-fails is reported with its error and skipped.
+QUICK_BASELINES), the recipe training LoRA adapters of rank 8 and the head on the frozen model (`lora`, --use_peft:
+its model state and speed beside full fine-tuning's; skipped for a model built from random init, or without the lora
+extra); and `alternate`, the recipe, the loop and Trainer in three threads of one process, taking turns every 5
+optimizer steps (scripts/bench_baselines.py alternate), the basis of the overhead ratios. A launch that fails is
+reported with its error and skipped.
 
 The one-process runs that the ratios compare (COMPARED) run in interleaved rounds, A B C D E, E D C B A, ..., round r
 with seed 42 + r, so that a change of load on the machine hits every side alike; each ratio is taken within a round
 (the same seed, so the same samples), and reported as the median over the rounds with its min-max and the median's
-95% bootstrap interval (scripts/bench_report.py median_interval). Every run gets
-the whole machine: on CPU each process gets cores / processes threads (OMP_NUM_THREADS, and --cpu_threads for the
-recipe), recorded as `threads`.
+95% bootstrap interval (scripts/bench_report.py median_interval). Every run gets the whole machine: on CPU each
+process gets cores / processes threads (OMP_NUM_THREADS, and --cpu_threads for the recipe), recorded as `threads`.
 
 A bench that knows when it was disturbed (scripts/bench_load.py): every launch records its CPU share, the CPU
 seconds of its processes / (wall seconds x threads per process x processes), over the whole launch, and others' share,
