@@ -40,6 +40,21 @@ def unwrap_without_importing_deepspeed() -> None:
         other.is_deepspeed_available = imported_and_available
 
 
+def import_deepspeed_without_mlflow(cfg) -> None:
+    """Import deepspeed with mlflow hidden, unless this run logs to MLflow: deepspeed 0.19.8 imports
+    `deepspeed.autotuning.autotuner` at `import deepspeed`, and that module imports mlflow whenever it is installed
+    (the trackers extra), about 0.9 s per rank here, for its autotuning experiments only (the `deepspeed --autotuning`
+    launcher; a training process never runs them). The autotuner catches the failed import (`has_mlflow = False`);
+    afterwards `import mlflow` works again for whoever asks."""
+    if "deepspeed" in sys.modules or "mlflow" in sys.modules or "mlflow" in tracking.tracker_names(cfg.report_to):
+        return
+    sys.modules["mlflow"] = None  # `import mlflow` raises ModuleNotFoundError while this entry is None
+    try:
+        import deepspeed  # noqa: F401
+    finally:
+        del sys.modules["mlflow"]
+
+
 def make_accelerator(cfg):
     """The Accelerator for a launch config; on a machine without GPUs it rehearses the same strategy on CPU.
 
@@ -57,6 +72,7 @@ def make_accelerator(cfg):
     gloo = on_cpu and launched
     if deepspeed:
         check_extension_locks()
+        import_deepspeed_without_mlflow(cfg)
     group = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout), backend="gloo" if gloo else None)
     ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.ddp_find_unused_parameters)
     accelerator = Accelerator(
