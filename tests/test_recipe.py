@@ -192,3 +192,30 @@ def test_shipped_metrics_match_hand_computed_values():
     # tp 1 fp 2 tn 1 fn 1: (1 * 1 - 2 * 1) / sqrt(3 * 2 * 3 * 2)
     two = compute_metrics(metrics, torch.tensor([1, 1, 1, 0, 0]), torch.tensor([1, 0, 0, 0, 1]))
     assert two["matthews_correlation"] == pytest.approx(-1 / 6) and two["f1"] == pytest.approx(2 / 5)
+
+
+def test_kept_rows_read_what_the_limit_needs_and_only_file_data_is_cached(tiny_model, tmp_path):
+    """data.kept_rows gives the first `limit` non-empty rows (every row with keep_empty), as a filter of the whole
+    column would, whatever the slices it reads; tokenize_split tokenizes a dataset held in memory without a cache
+    file, and one read from a file under datasets' own fingerprint, so that the same run again reads its cache."""
+    from datasets import Dataset, load_dataset
+    from transformers import AutoTokenizer
+
+    texts = ["好 书", "", " ", None, "很差"] * 900  # 4,500 rows: 1,800 with text, spread over several slices
+    ds = Dataset.from_dict({"text": texts, "label": [1, 0, 0, 0, 0] * 900})
+    kept = [i for i, text in enumerate(texts) if text and text.strip()]
+    for limit in (None, 0, 1, 7, 600, 1799, 1800, 5000):
+        assert data.kept_rows(ds, "text", limit) == (kept if limit is None else kept[:limit]), limit
+        every = range(4500) if limit is None else range(min(limit, 4500))
+        assert data.kept_rows(ds, "text", limit, keep_empty=True) == list(every), limit
+    csv = tmp_path / "train.csv"
+    ds.to_csv(csv, index=False)
+    from_file = load_dataset("csv", data_files=str(csv), split="train", cache_dir=str(tmp_path / "cache"))
+    cfg = cls.parse_config(["--model_name_or_path", str(tiny_model), "--output_dir", str(tmp_path / "out")])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    _, encode = data.label_space(ds, ds, cfg)
+    in_memory = data.tokenize_split(ds, cfg, tokenizer, encode, "training", 700)
+    first, again = (data.tokenize_split(from_file, cfg, tokenizer, encode, "training", 700) for _ in range(2))
+    assert in_memory.cache_files == [] and len(in_memory) == 700
+    assert first.cache_files and again.cache_files == first.cache_files  # the second map read the first's file
+    assert in_memory["input_ids"][:] == first["input_ids"][:] and in_memory[data.ROW][:] == kept[:700]
