@@ -44,7 +44,7 @@ pairs: offline-model
 # a 2-process launch spends much of its time importing on one core. TEST_WORKERS=1 runs them one after the other.
 TEST_WORKERS ?= 2
 test: offline-model fetch-pretrained
-	$(PY) -m pytest -q -rs --durations=40 -n $(TEST_WORKERS) --dist loadfile tests  # -rs: every skip prints its reason
+	$(PY) -m pytest -q -rs --durations=40 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests  # -rs: every skip prints its reason
 
 # Writes results/<date>_<device>_<host>.{md,json,png} and rewrites the table between the bench markers of
 # docs/benchmark.md. BENCH_MODEL=<folder or Hub id> benches that encoder instead of the tiny RoBERTa (the page is

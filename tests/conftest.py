@@ -106,11 +106,14 @@ def ddp_parity_reference(tiny_model, tmp_path_factory):
     return out
 
 
-# The files with the longest chains of launches, collected first: under `make test`'s two pytest-xdist workers
-# (--dist loadfile, a file per worker in collection order) they start at once instead of last, so that no one file
-# runs alone at the end while the other core idles. Order only: every file still runs whole on one worker.
-LONG_FIRST = ["test_resume.py", "test_elastic.py", "test_strategies.py", "test_long_runs.py", "test_pretrained.py",
-              "test_lora.py"]
+# The files with the most launch time, collected first, longest first (one whole `make test` on 2 cores,
+# 2026-11-28: 387, 357, 282, 252, 237, 228, 225, 207 and 194 s): under `make test`'s two pytest-xdist workers
+# (--dist loadfile, a file per worker in collection order) they start early, so that no long file runs alone at the
+# end while the other core idles. Order only: every file still runs whole on one worker. `make test` passes
+# --no-loadscope-reorder: pytest-xdist 3.8.0 otherwise sends the files with the most tests first (its default
+# reorder), which put the two longest chains of launches, test_resume and test_elastic, last.
+LONG_FIRST = ["test_resume.py", "test_strategies.py", "test_padding_free.py", "test_pretrained.py", "test_encoders.py",
+              "test_strength.py", "test_bench.py", "test_elastic.py", "test_compile.py"]
 
 
 def pytest_collection_modifyitems(config, items):
