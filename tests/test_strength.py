@@ -241,10 +241,10 @@ def test_readme_shell_blocks_parse_as_the_commands_they_show(readme, tmp_path):
 
 
 # The commands run below, as launched (the launch arguments and the recipe's flags, this test's folder as <tmp>), each
-# with the page that ran it: the English and Chinese READMEs show the same command, and a GPU count becomes the 2
-# processes here, so docs/gpus.md's 8-GPU command is the README's 4-GPU one. A command already run and checked for
-# one page counts for the next page that shows it (pytest-xdist's --dist loadfile keeps this file on one worker; run
-# alone, a page runs its own).
+# with the page that ran it: the English and Chinese READMEs show the same command (and a GPU count becomes the 2
+# processes here, so commands that differ in it alone are the same). A command already run and checked for one page
+# counts for the next page that shows it (pytest-xdist's --dist loadfile keeps this file on one worker; run alone, a
+# page runs its own).
 CHECKED_COMMANDS: dict[tuple, str] = {}
 
 
