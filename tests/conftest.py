@@ -6,10 +6,11 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 
 import pytest
 
-from helpers import PARITY_FLAGS, PRETRAINED, PYTHON, REPO, SNIPPETS, TINY, run_recipe
+from helpers import PARITY_FLAGS, PRETRAINED, PYTHON, REPO, SNIPPETS, TINY, disk_problem, run_recipe
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -114,6 +115,15 @@ def ddp_parity_reference(tiny_model, tmp_path_factory):
 # reorder), which put the two longest chains of launches, test_resume and test_elastic, last.
 LONG_FIRST = ["test_resume.py", "test_strategies.py", "test_padding_free.py", "test_pretrained.py", "test_encoders.py",
               "test_strength.py", "test_bench.py", "test_elastic.py", "test_compile.py"]
+
+
+def pytest_configure(config):
+    """Refuse to start, in one line, on a disk too full for the runs' checkpoints (helpers.TEST_DISK_GB)."""
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the controller checked
+        return
+    problem = disk_problem(config.option.basetemp or tempfile.gettempdir())
+    if problem:
+        raise pytest.UsageError(problem)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,26 @@ __all__ = ["ACCELERATE", "PARITY_FLAGS", "PRETRAINED", "PRETRAINED_DATA", "PYTHO
            "run_in_own_group", "run_recipe"]
 # For tests whose expectations hold only without GPUs (the CPU rehearsal of FSDP, gloo, the DataParallel fall-back).
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="expects a machine without GPUs (CPU rehearsal)")
+
+
+# What a whole `make test` keeps under the temporary folder at once, at most: 4.0 GB measured on 2026-11-28 (sampled
+# every 20 s on a fresh clone), passed tests' folders deleted as they pass (pyproject's tmp_path_retention_policy); the
+# bound adds a quarter. A disk that fills mid-run fails tests by the hundred, each with an OSError far from its cause
+# (CI, 2026-11-28, 28 minutes in).
+TEST_DISK_GB = 5.0
+
+
+def disk_problem(folder: Path, need_gb: float | None = None) -> str | None:
+    """One line when the disk holding `folder` (or its nearest existing parent) has less than `need_gb` free
+    (TEST_DISK_GB unless given)."""
+    need_gb, folder = TEST_DISK_GB if need_gb is None else need_gb, Path(folder)
+    while not folder.exists():
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free / 2**30
+    if free >= need_gb:
+        return None
+    return (f"make test needs about {need_gb:.0f} GB free under {folder} for its runs' checkpoints; {free:.1f} GB "
+            "free: free some, or pass --basetemp DIR on a disk with room")
 
 
 def run_recipe(output_dir: Path, *flags: str, config: str | None = "ddp.yaml", launch_args=(), timeout=600,

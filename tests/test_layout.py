@@ -1,12 +1,17 @@
 """The package layout holds: imports run one way (down recipes/'s floors) and in no circle, docs/layout.md lists every
-file, no path edits, test machinery only in recipes/testing/ and inert unless asked for."""
+file, no path edits, test machinery only in recipes/testing/ and inert unless asked for; a disk too full for the
+suite's checkpoints stops it before any test, in one line."""
 from __future__ import annotations
 
 import ast
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, disk_problem
 from recipes.inputs import data
 from recipes.testing.probe import Probe
 
@@ -190,3 +195,20 @@ def test_probe_fault_matches_where_step_and_rank(monkeypatch, fault, where, step
     probe = Probe(record=False, rank=0, fault=fault)
     (probe.step if where == "step" else probe.saved)(step)
     assert bool(killed) == dies
+
+
+def test_a_disk_too_full_for_the_checkpoints_is_one_line_before_any_test(tmp_path):
+    """conftest's pytest_configure refuses the run, in one line, where helpers.disk_problem finds too little space."""
+    free = shutil.disk_usage(tmp_path).free / 2**30
+    assert disk_problem(tmp_path / "not" / "made", need_gb=0) is None  # the nearest existing folder is measured
+    problem = disk_problem(tmp_path, need_gb=free + 1000)
+    assert problem.startswith(f"make test needs about {free + 1000:.0f} GB free under {tmp_path}")
+    assert "\n" not in problem
+    # the real hook, in a pytest of its own: its controller stops before collecting anything
+    code = ("import helpers, sys; helpers.TEST_DISK_GB = 10.0 ** 9; import pytest; "
+            f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--basetemp', {str(tmp_path / 'b')!r}, "
+            "'tests/test_layout.py::test_no_sys_path_edits']))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO / "tests")})
+    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, proc.stdout + proc.stderr
+    assert "ERROR: make test needs about 1000000000 GB free under" in proc.stderr
