@@ -56,7 +56,8 @@ TEST_DISK_GB = 5.0
 def disk_problem(folder: Path, need_gb: float | None = None) -> str | None:
     """One line when the disk holding `folder` (or its nearest existing parent) has less than `need_gb` free
     (TEST_DISK_GB unless given)."""
-    need_gb, folder = TEST_DISK_GB if need_gb is None else need_gb, Path(folder)
+    need_gb = TEST_DISK_GB if need_gb is None else need_gb
+    folder = Path(folder)
     while not folder.exists():
         folder = folder.parent
     free = shutil.disk_usage(folder).free / 2**30
