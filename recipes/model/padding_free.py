@@ -337,6 +337,8 @@ class _FromGroups(torch.autograd.Function):
         for (first, n, longest, _), out in zip(plan.groups, outs):
             _group_views(grid, first, n, longest)[0].copy_(out)
         ctx.plan = plan
+        # back to the packed row by each token's slot: a gather of known size R (selecting by a mask would give
+        # torch.compile a data-dependent shape, a graph break in every layer)
         return grid.index_select(0, plan.slot)[None]
 
     @staticmethod
