@@ -404,12 +404,14 @@ def rounds_table(results: dict) -> list:
              "| model | round | seed | " + " | ".join(f"{n} s" for n in names) + " | "
              + " | ".join(f"{n} acc" for n in names) + " | threads | set aside |",
              "|---|--:|--:|" + "--:|" * (2 * len(names)) + "--:|---|"]
-    for r0 in [r for r in kept if r["name"] == names[0]]:
-        rnd = {r["name"]: r for r in kept if r["model"] == r0["model"] and r.get("round", 0) == r0.get("round", 0)}
+    # a row per model and round that ran a repeated run (the quick profile's later rounds run only bench.HEADLINE)
+    for model, round_ in dict.fromkeys((r["model"], r.get("round", 0)) for r in kept if r["name"] in names):
+        rnd = {r["name"]: r for r in kept if r["model"] == model and r.get("round", 0) == round_}
+        r0 = next(r for r in rnd.values() if r["name"] in names)
         cells = [fmt(rnd.get(n, {}).get("epoch_s"), ".2f") for n in names]
         cells += [fmt(rnd.get(n, {}).get("accuracy"), ".3f") for n in names]
         aside = ", ".join(n for n in names if id(rnd.get(n)) in disturbed) or "-"
-        lines.append(f"| {r0['model']} | {r0.get('round', 0)} | {r0.get('seed', 42)} | " + " | ".join(cells)
+        lines.append(f"| {model} | {round_} | {r0.get('seed', 42)} | " + " | ".join(cells)
                      + f" | {r0.get('threads')} | {aside} |")
     efficiency = {n: [r["padding_efficiency"] for r in results["runs"]
                       if r["name"] == n and r.get("padding_efficiency")] for n in names}

@@ -263,6 +263,19 @@ def test_schedule_interleaves_the_compared_runs_then_runs_the_strategies_once():
     assert got == [("grouped", 0), ("single", 0), ("loop", 0), ("loop", 1), ("single", 1), ("grouped", 1),
                    ("grouped", 2), ("single", 2), ("loop", 2), ("ddp", 0), ("zero2", 0), ("dataparallel", 0)]
     assert bench.schedule_runs(("zero2",), repeats=3) == [("zero2", 0)]
+    # the quick profile's further rounds run the headline runs alone (pad128 and lora keep their 4 rounds)
+    names = ("single", "zero2", "loop", "pad128", "grouped", "lora")
+    got = bench.schedule_runs(names, repeats=2, headline_repeats=4)
+    assert got[:10] == bench.schedule_runs(names, repeats=2)[:10]
+    assert got[10:] == [("grouped", 2), ("single", 2), ("loop", 2), ("loop", 3), ("single", 3), ("grouped", 3),
+                       ("zero2", 0)]
+    assert bench.schedule_runs(names, repeats=2, headline_repeats=1) == bench.schedule_runs(names, repeats=2)
+    quick = bench.PROFILES["quick"]
+    every = bench.schedule_runs((*bench.STRATEGIES, *quick.baselines), quick.repeats, quick.headline_repeats)
+    rounds = {name: sum(n == name for n, _ in every) for name in ("single", "loop", "trainer", "grouped",
+                                                                 "padding_free", "padding_free_grouped", "pad128",
+                                                                 "lora", "zero2")}
+    assert rounds == {**dict.fromkeys(bench.HEADLINE, 8), "pad128": 4, "lora": 4, "zero2": 1}
     # every run: the pairs of the goals on time launch next to each other, pad128-grouped one apart
     first = [name for name, r in bench.schedule_runs((*bench.STRATEGIES, *bench.BASELINES), 2) if r == 0]
     for a, b, apart in (("padding_free_grouped", "grouped", 1), ("grouped", "single", 1),
