@@ -6,6 +6,7 @@ Fast tier: no process is launched; the launched-process environment is made by a
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -53,6 +54,23 @@ def test_shipped_config_is_clean(yaml_path, recipe, tiny_model):
         assert "BF16_Optimizer" in problems[0] and "ds_configs/zero2.json" in problems[0]
     else:
         assert problems == []
+
+
+def test_cpu_binding_variables_in_the_launching_shell_are_a_problem(monkeypatch):
+    """accelerate launch imports torch; with OMP_PROC_BIND set its OpenMP binds the launcher to one CPU, which every
+    rank inherits (tests/test_no_silent_change.py launches it)."""
+    monkeypatch.setenv("OMP_PROC_BIND", "close")
+    problems = check_config.check_yaml("accelerate_configs/ddp.yaml", {})
+    cpus = len(os.sched_getaffinity(0))
+    assert problems == ([] if cpus < 2 else [
+        f"OMP_PROC_BIND=close is set: accelerate launch loads OpenMP, which binds it to one CPU, and every process it "
+        f"starts inherits that one of the {cpus} CPUs here: unset OMP_PROC_BIND for the launch (to bind each process, "
+        "start it under taskset or numactl yourself)"])
+    assert launch_checks.launcher_binding_problems({"GOMP_CPU_AFFINITY": "0-3"}, {0, 1, 2, 3})[0].startswith(
+        "GOMP_CPU_AFFINITY=0-3 is set")
+    for env, affinity in (({"OMP_PROC_BIND": "false", "OMP_PLACES": "cores"}, {0, 1}), ({}, {0, 1}),
+                          ({"OMP_PROC_BIND": "true"}, {3})):
+        assert launch_checks.launcher_binding_problems(env, affinity) == []
 
 
 # (fixture, recipe flags, the one problem expected). Recipe defaults: micro-batch 32, accumulation 1, clipping 1.0.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 from dataclasses import fields, replace
@@ -404,6 +405,42 @@ def test_launch_request_reads_the_launch_and_warns_only_when_not_honoured():
     assert launch_checks.launch_request(["/usr/bin/python3", "recipes/cls.py"]) is None
     assert launch_checks.world_warnings({"WORLD_SIZE": "2"}, (2, "x")) == []
     assert launch_checks.world_warnings({}, None) == []
+
+
+# --- a launcher's CPU binding ---------------------------------------------------------------------------------------
+
+def test_a_launchers_cpu_binding_is_found_only_where_it_narrows_the_run():
+    """With OMP_PROC_BIND set, `accelerate launch` (which imports torch, so OpenMP) binds itself to one CPU and every
+    rank inherits it: the tiny model's step took 92-96 ms instead of 56-59 ms on a 2-CPU machine, with no word."""
+    bound = {"OMP_PROC_BIND": "true", "OMP_PLACES": "cores"}
+    problem = launch_checks.binding_problem(bound, {0}, 2, parent_openmp=True)
+    assert problem.startswith("OMP_PROC_BIND=true OMP_PLACES=cores is set") and "CPU 0;" in problem
+    assert "1 of this machine's 2 CPUs" in problem and "unset OMP_PROC_BIND OMP_PLACES" in problem
+    assert "GOMP_CPU_AFFINITY" in launch_checks.binding_problem({"GOMP_CPU_AFFINITY": "0-7"}, {0}, 8, True)
+    for env, affinity, cpus, parent in ((bound, {0}, 2, False),  # `python recipes/cls.py`: nothing inherited
+                                        (bound, {0, 1}, 2, True),  # every CPU: nothing lost
+                                        ({}, {0}, 2, True),  # no binding: a taskset or cpuset of the user's
+                                        ({**bound, "OMP_PROC_BIND": "false"}, {0}, 2, True)):  # binding off
+        assert launch_checks.binding_problem(env, affinity, cpus, parent) is None
+    # this process (pytest imported torch) has OpenMP loaded; a plain `sleep` does not
+    assert launch_checks.parent_loaded_openmp(os.getpid())
+    with subprocess.Popen(["sleep", "30"]) as sleeper:
+        try:
+            assert not launch_checks.parent_loaded_openmp(sleeper.pid)
+        finally:
+            sleeper.kill()
+
+
+def test_a_launch_under_omp_proc_bind_stops_before_writing(tmp_path):
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one CPU: a binding to one CPU loses nothing, so the check has nothing to find")
+    out = tmp_path / "run"
+    proc = run_recipe(out, config="single.yaml", check=False, env={"OMP_PROC_BIND": "true", "OMP_PLACES": "cores"})
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith("error: OMP_PROC_BIND=true OMP_PLACES=cores is set, and the launcher")
+    assert f"1 of this machine's {os.cpu_count()} CPUs" in errors[0]
+    assert not out.exists()
 
 
 # --- case 6: make clean ------------------------------------------------------------------------------------------

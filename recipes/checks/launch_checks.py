@@ -286,6 +286,8 @@ def check_yaml(yaml_path: str, recipe: dict, model_path: str | None = None,
     if kind == "DEEPSPEED" and not ds_section.get("deepspeed_config_file"):
         problems += inline_deepspeed_problems(ds_section, recipe)
     problems += environment_problems(os.environ, recipe)
+    if hasattr(os, "sched_getaffinity"):
+        problems += launcher_binding_problems(os.environ, os.sched_getaffinity(0))
     ds_file = ds_section.get("deepspeed_config_file") if kind == "DEEPSPEED" else None
     problems += precision_support.bf16_problems(mixed_precision, ds_file)
     if kind == "FSDP":
@@ -331,6 +333,69 @@ def gpu_count_warnings(per_machine: int, gpus: int, machines: int = 1, launched:
         fix += " with a multi-process config (accelerate_configs/ddp.yaml), or pass --data_parallel"
     what = f"{per_machine} processes" if per_machine > 1 else "1 process"
     return [f"{what} on this machine but {gpus} GPUs visible: {gpus - per_machine} stay idle; to use them all: {fix}"]
+
+
+# OpenMP variables that bind threads to CPUs when an OpenMP runtime loads: the standard ones, libgomp's (torch's
+# Linux wheels load libgomp) and Intel's.
+BINDING_VARIABLES = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
+
+
+def binding_problem(env: dict, affinity: set, cpus: int, parent_openmp: bool) -> str | None:
+    """A launcher's own CPU binding inherited by the process it started: with a binding variable set, `accelerate
+    launch` (or torchrun) imports torch, its OpenMP runtime binds the launcher's thread to the first CPU of its places,
+    and every process it then starts inherits that one-CPU mask, so all the ranks' threads share it (measured here,
+    2 CPUs, torch 2.13.0, accelerate 1.15.0: OMP_PROC_BIND=true OMP_PLACES=cores, the tiny model's median step
+    92-96 against 56-59 ms, every thread of the run on CPU 0; the same variables with `python recipes/cls.py` cost
+    nothing, 59 ms).
+    `affinity`: the CPUs this process may run on; `cpus`: the machine's; `parent_openmp`: the parent process has an
+    OpenMP runtime loaded. None when nothing is wrong."""
+    binding = binding_settings(env)
+    if not binding or not parent_openmp or len(affinity) >= cpus:
+        return None
+    return (f"{' '.join(binding)} is set, and the launcher that started this process loaded OpenMP, which bound the "
+            f"launcher to CPU {','.join(map(str, sorted(affinity)))}; every process it starts inherits that, so the "
+            f"run would compute on {len(affinity)} of this machine's {cpus} CPUs: {unbind(binding)}")
+
+
+def binding_settings(env: dict) -> list[str]:
+    """The BINDING_VARIABLES set in `env` as NAME=value; [] where none is, or OMP_PROC_BIND=false turns binding off."""
+    if env.get("OMP_PROC_BIND", "").strip().lower() == "false":
+        return []
+    return [f"{key}={env[key]}" for key in BINDING_VARIABLES if env.get(key)]
+
+
+def unbind(binding: list[str]) -> str:
+    return (f"unset {' '.join(b.split('=')[0] for b in binding)} for the launch (to bind each process, start it "
+            "under taskset or numactl yourself)")
+
+
+def launcher_binding_problems(env: dict, affinity: set) -> list[str]:
+    """Before the launch (check_yaml, in the shell that will run `accelerate launch`): binding variables there make
+    the launcher bind itself to one of the `affinity` CPUs and hand that one to every process (binding_problem)."""
+    binding = binding_settings(env)
+    if not binding or len(affinity) < 2:
+        return []
+    return [f"{' '.join(binding)} is set: accelerate launch loads OpenMP, which binds it to one CPU, and every "
+            f"process it starts inherits that one of the {len(affinity)} CPUs here: {unbind(binding)}"]
+
+
+def parent_loaded_openmp(pid: int | None = None) -> bool:
+    """Whether the parent process (or `pid`) has an OpenMP runtime mapped (Linux /proc; False where unreadable)."""
+    try:
+        maps = Path(f"/proc/{pid or os.getppid()}/maps").read_text()
+    except OSError:
+        return False
+    return any(name in maps for name in OPENMP_RUNTIMES)
+
+
+def check_cpu_binding(env: dict) -> None:
+    """binding_problem of this process, before any work: a one-line error on every rank."""
+    if not hasattr(os, "sched_getaffinity") or not any(env.get(key) for key in BINDING_VARIABLES):
+        return
+    problem = binding_problem(env, os.sched_getaffinity(0), os.cpu_count() or 1, parent_loaded_openmp())
+    if problem:
+        raise RecipeError(problem)
 
 
 def check_devices(env: dict, data_parallel: bool | None = None) -> None:

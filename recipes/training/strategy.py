@@ -65,6 +65,7 @@ def make_accelerator(cfg):
     from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
 
     launch_checks.check_devices(os.environ, cfg.data_parallel)
+    launch_checks.check_cpu_binding(os.environ)  # a launcher's OpenMP binding would put every rank on one CPU
     on_cpu = not torch.cuda.is_available()
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true"
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false") == "true"
