@@ -579,6 +579,33 @@ def test_cpu_threads_follow_the_machine_unless_the_user_chose(monkeypatch, devic
         torch.set_num_threads(before)
 
 
+def test_more_threads_than_cpus_are_kept_and_said_once_per_machine(monkeypatch, capsys):
+    """OMP_NUM_THREADS=2 in each of 2 processes on 2 CPUs made a DDP step 217 ms against 104 ms (2.1x): the user's
+    threads are kept, and local rank 0 says what they cost and what gives each CPU one thread."""
+    accelerator = SimpleNamespace(device=torch.device("cpu"), state=SimpleNamespace(deepspeed_plugin=None))
+    monkeypatch.setattr(strategy, "available_cores", lambda: 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    before = torch.get_num_threads()
+    try:
+        for rank, said in (("0", True), ("1", False)):
+            monkeypatch.setenv("LOCAL_RANK", rank)
+            assert strategy.set_cpu_threads(accelerator) == 2
+            err = capsys.readouterr().err
+            assert err == ("warning: 2 processes x 2 threads on 2 CPUs: the threads take turns, which on CPU can take "
+                           "several times as long; --cpu_threads 1 (or unset OMP_NUM_THREADS) gives each CPU one\n"
+                           if said else "")
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")  # accelerate's default: cores / processes, one each
+        assert strategy.set_cpu_threads(accelerator) == 1 and capsys.readouterr().err == ""
+    finally:
+        torch.set_num_threads(before)
+    assert strategy.oversubscription(4, 1, 2).startswith("4 threads on 2 CPUs")
+    assert strategy.oversubscription(3, 1, 1).startswith("3 threads on 1 CPU:")
+    assert strategy.oversubscription(1, 4, 2) is None  # more processes than CPUs: the launch's choice
+    assert strategy.oversubscription(2, 4, 8) is None
+
+
 def test_bench_baselines_take_one_gpu_the_runs_precision_and_the_recipes_matmul_math(monkeypatch, tmp_path):
     """BENCH=full on 4 GPUs: loop, Trainer and `alternate` run in one process on the first visible GPU (Trainer would
     take all four: nn.DataParallel and 4 x the batch) in the model's precision, and the baselines refuse several GPUs
