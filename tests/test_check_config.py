@@ -69,7 +69,8 @@ def test_cpu_binding_variables_in_the_launching_shell_are_a_problem(monkeypatch)
     assert launch_checks.launcher_binding_problems({"GOMP_CPU_AFFINITY": "0-3"}, {0, 1, 2, 3})[0].startswith(
         "GOMP_CPU_AFFINITY=0-3 is set")
     for env, affinity in (({"OMP_PROC_BIND": "false", "OMP_PLACES": "cores"}, {0, 1}), ({}, {0, 1}),
-                          ({"OMP_PROC_BIND": "true"}, {3})):
+                          ({"OMP_PROC_BIND": "true"}, {3}),  # one CPU: nothing to lose
+                          ({"KMP_AFFINITY": "compact"}, {0, 1})):  # binds under Intel's OpenMP only
         assert launch_checks.launcher_binding_problems(env, affinity) == []
 
 

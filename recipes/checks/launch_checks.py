@@ -335,9 +335,11 @@ def gpu_count_warnings(per_machine: int, gpus: int, machines: int = 1, launched:
     return [f"{what} on this machine but {gpus} GPUs visible: {gpus - per_machine} stay idle; to use them all: {fix}"]
 
 
-# OpenMP variables that bind threads to CPUs when an OpenMP runtime loads: the standard ones, libgomp's (torch's
-# Linux wheels load libgomp) and Intel's.
-BINDING_VARIABLES = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+# OpenMP variables that bind threads to CPUs when an OpenMP runtime loads: the standard ones and libgomp's, which
+# torch's Linux wheels load (each of the three alone bound the initial thread here, torch 2.13.0), and Intel's, which
+# binds only under Intel's runtime (KMP_AFFINITY left the affinity whole with torch's libgomp).
+GOMP_BINDING_VARIABLES = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY")
+BINDING_VARIABLES = (*GOMP_BINDING_VARIABLES, "KMP_AFFINITY")
 OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
 
 
@@ -358,11 +360,11 @@ def binding_problem(env: dict, affinity: set, cpus: int, parent_openmp: bool) ->
             f"run would compute on {len(affinity)} of this machine's {cpus} CPUs: {unbind(binding)}")
 
 
-def binding_settings(env: dict) -> list[str]:
-    """The BINDING_VARIABLES set in `env` as NAME=value; [] where none is, or OMP_PROC_BIND=false turns binding off."""
+def binding_settings(env: dict, variables=BINDING_VARIABLES) -> list[str]:
+    """The `variables` set in `env` as NAME=value; [] where none is, or OMP_PROC_BIND=false turns binding off."""
     if env.get("OMP_PROC_BIND", "").strip().lower() == "false":
         return []
-    return [f"{key}={env[key]}" for key in BINDING_VARIABLES if env.get(key)]
+    return [f"{key}={env[key]}" for key in variables if env.get(key)]
 
 
 def unbind(binding: list[str]) -> str:
@@ -372,8 +374,9 @@ def unbind(binding: list[str]) -> str:
 
 def launcher_binding_problems(env: dict, affinity: set) -> list[str]:
     """Before the launch (check_yaml, in the shell that will run `accelerate launch`): binding variables there make
-    the launcher bind itself to one of the `affinity` CPUs and hand that one to every process (binding_problem)."""
-    binding = binding_settings(env)
+    the launcher bind itself to one of the `affinity` CPUs and hand that one to every process (binding_problem).
+    Only libgomp's variables: which runtime a launch loads is not known before it (torch's wheels: libgomp)."""
+    binding = binding_settings(env, GOMP_BINDING_VARIABLES)
     if not binding or len(affinity) < 2:
         return []
     return [f"{' '.join(binding)} is set: accelerate launch loads OpenMP, which binds it to one CPU, and every "
@@ -391,7 +394,7 @@ def parent_loaded_openmp(pid: int | None = None) -> bool:
 
 def check_cpu_binding(env: dict) -> None:
     """binding_problem of this process, before any work: a one-line error on every rank."""
-    if not hasattr(os, "sched_getaffinity") or not any(env.get(key) for key in BINDING_VARIABLES):
+    if not hasattr(os, "sched_getaffinity") or not binding_settings(env):
         return
     problem = binding_problem(env, os.sched_getaffinity(0), os.cpu_count() or 1, parent_loaded_openmp())
     if problem:
