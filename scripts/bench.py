@@ -6,8 +6,9 @@
 
 Each run trains the same data, seed, number of optimizer steps and effective batch; throughput counts the steps after
 a warm-up, from the recipe's metrics.jsonl (elapsed, samples, tokens). Runs go to runs/bench/<model>_<run>; the
-results to results/<date>_<device>_<host>.{md,json,png}, and docs/benchmark.md's block between the bench markers
-(README.md quotes three headline ratios of it; tests/test_docs.py holds them to the latest results file).
+results to results/<date>_<device>_<host>.{md,json,png} (-2, -3, ... after a day's first), and docs/benchmark.md's
+block between the bench markers (README.md quotes three headline ratios of it; tests/test_docs.py holds them to the
+latest results file).
 
 Runs per model: the recipe under each shipped strategy config (multi-process ones on every GPU, or 2 CPU processes),
 `python recipes/cls.py --data_parallel` where more than one GPU is visible, and nine baselines on one process:
@@ -730,7 +731,7 @@ def main(argv=None) -> None:
         if args.hog:
             hog.cancel()
         results["command"] = "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    paths = write_results(results, Path(args.results_dir))
+    paths = write_results(results, Path(args.results_dir), replace=bool(args.rerender))
     print("\n".join(["", *ratio_lines(results), ""]))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     if not args.model_name_or_path:  # docs/benchmark.md quotes the shipped profiles only

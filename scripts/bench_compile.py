@@ -41,7 +41,7 @@ from pathlib import Path
 from recipes.outputs.records import library_versions, read_jsonl
 from scripts.bench import (ACCELERATE, PROFILES, PYTHON, REPO, Profile, Run, cpu_matmul_flops, execute,
                            free_port, hardware, progress, run_env, threads_of)
-from scripts.bench_report import round_order, slug, spread
+from scripts.bench_report import round_order, slug, spread, unused_stem
 
 SIDES = ("eager", "compiled")
 # With dropout, a third side: compiled with inductor's own dropout generator, the default on GPUs (on CPU the recipe's
@@ -256,7 +256,8 @@ def run(profile: Profile, runs_dir: Path, results_dir: Path, command_line: str, 
                "runs": rows, "ratios": compile_ratios(rows)}
     results_dir.mkdir(parents=True, exist_ok=True)
     kind = f"compile-{tag}" if tag else "compile"
-    stem = f"{results['date']}_{kind}_{slug(results['hardware']['device'])}_{slug(results['hardware']['host'])}"
+    stem = unused_stem(results_dir, f"{results['date']}_{kind}_{slug(results['hardware']['device'])}_"
+                                    f"{slug(results['hardware']['host'])}")  # a second run the same day: -2, ...
     (results_dir / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     (results_dir / f"{stem}.md").write_text(markdown(results))
     log("\n".join(["", *ratio_lines(results), "", f"wrote {results_dir / stem}.{{json,md}}"]))

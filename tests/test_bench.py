@@ -337,6 +337,10 @@ def test_results_writer_writes_md_json_png_and_the_readme_block(tmp_path):
     assert {p.name for p in paths.values()} == {f"2026-01-02_cpu_box.{ext}" for ext in ("md", "json", "png")}
     assert json.loads(paths["json"].read_text())["runs"] == results["runs"]
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a second bench of the same day keeps the first's files (pages cite them); a --rerender replaces its own
+    again = bench_report.write_results(results, tmp_path / "results")
+    assert {p.name for p in again.values()} == {f"2026-01-02_cpu_box-2.{ext}" for ext in ("md", "json", "png")}
+    assert bench_report.write_results(results, tmp_path / "results", replace=True)["md"] == paths["md"]
     md = paths["md"].read_text()
     main = md.split("## Results", 1)[1].split("## Communication", 1)[0]
     table = [line for line in main.splitlines() if line.startswith("| tiny |")]

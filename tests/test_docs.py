@@ -26,7 +26,8 @@ def latest_results(kind: str = "bench") -> tuple[str, dict]:
         return re.fullmatch(r"\d{4}-\d\d-\d\d", parts[0]) is not None and (
             len(parts) == 3 if kind == "bench" else len(parts) == 4 and parts[1] == kind)
     files = [p for p in (REPO / "results").glob("*.json") if wanted(p.stem)]
-    path = max(files, key=lambda p: p.name)
+    # by when the bench started: a second bench of a day writes <stem>-2, which sorts before <stem> by name
+    path = max(files, key=lambda p: (json.loads(p.read_text()).get("started", ""), p.name))
     return path.stem, json.loads(path.read_text())
 
 
