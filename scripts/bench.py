@@ -598,7 +598,7 @@ def run_bench(profile: Profile, strategies=STRATEGIES, baselines=BASELINES, runs
     started = dt.datetime.now()
     names = (*strategies, *baselines)
     schedule = schedule_runs(names, profile.repeats, profile.headline_repeats)
-    more = [n for n in names if n in COMPARED and n in HEADLINE] if profile.headline_repeats > profile.repeats else []
+    more = list(dict.fromkeys(name for name, r in schedule if r >= max(1, profile.repeats)))  # the HEADLINE rounds
     log(f"bench: {len(profile.models)} model(s) x {len(schedule)} runs ({profile.repeats} interleaved rounds of "
         f"{', '.join(n for n in names if n in COMPARED)}"
         + (f"; {profile.headline_repeats} in all of {', '.join(more)}" if more else "")
