@@ -72,7 +72,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -711,15 +711,26 @@ def main(argv=None) -> None:
                         "docs/benchmark.md; README.md quotes only the headline ratios, checked by tests/test_docs.py)")
     parser.add_argument("--hog", metavar="SECONDS@START", help="keep every core busy for SECONDS from START seconds "
                         "after the start, beside the bench: a check that it sets the disturbed runs aside")
+    parser.add_argument("--rounds", type=int, metavar="N", help="interleaved rounds of every compared run instead of "
+                        "the profile's (the headline ones included): a longer measurement of a few ratios, e.g. "
+                        "--strategies single --baselines loop trainer --rounds 16")
+    parser.add_argument("--alternate_rounds", type=int, metavar="N", help="epochs of the `alternate` run (10 blocks "
+                        "of 5 steps per side each) instead of the profile's")
+    parser.add_argument("--tag", help="name the results <date>_<tag>_<device>_<host> and leave the bench page alone: "
+                        "a measurement beside `make bench`'s, not one the pages quote as the latest")
     parser.add_argument("--rerender", metavar="RESULTS_JSON",
                         help="recompute throughput and ratios of a results file from its runs' records, rewrite it")
     args = parser.parse_args(argv)
     if args.rerender:
         results = rerender(Path(args.rerender))
     else:
-        profile = PROFILES[args.profile]
+        profile = replace(PROFILES[args.profile])  # a copy: the options below change it
         if args.model_name_or_path:
             profile.models = [custom_model(args.model_name_or_path)]
+        if args.rounds:
+            profile.repeats = profile.headline_repeats = args.rounds
+        if args.alternate_rounds:
+            profile.alternate_rounds = args.alternate_rounds
         if args.precision:
             for spec in profile.models:
                 spec.precision = args.precision
@@ -731,10 +742,12 @@ def main(argv=None) -> None:
         if args.hog:
             hog.cancel()
         results["command"] = "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        if args.tag:
+            results["tag"] = args.tag
     paths = write_results(results, Path(args.results_dir), replace=bool(args.rerender))
     print("\n".join(["", *ratio_lines(results), ""]))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
-    if not args.model_name_or_path:  # docs/benchmark.md quotes the shipped profiles only
+    if not args.model_name_or_path and not results.get("tag"):  # the page quotes the shipped profiles only
         update_readme(Path(args.bench_page), results, paths)
 
 

@@ -537,12 +537,13 @@ def render_chart(results: dict, path: Path) -> None:
 
 
 def write_results(results: dict, results_dir: Path, replace: bool = False) -> dict:
-    """results/<date>_<device>_<host>.{json,md,png}, or -2, -3, ... after the name where a bench of the same day wrote
-    one (the pages cite each file's figures); `replace` (a --rerender of that file) writes over it. Returns the
-    paths."""
+    """results/<date>_<device>_<host>.{json,md,png} (<date>_<tag>_<device>_<host> for a tagged measurement), or -2,
+    -3, ... after the name where a bench of the same day wrote one (the pages cite each file's figures); `replace` (a
+    --rerender of that file) writes over it. Returns the paths."""
     results_dir.mkdir(parents=True, exist_ok=True)
     hw = results["hardware"]
-    stem = f"{results['date']}_{slug(hw['device'])}_{slug(hw['host'])}"
+    tag = f"{slug(results['tag'])}_" if results.get("tag") else ""
+    stem = f"{results['date']}_{tag}{slug(hw['device'])}_{slug(hw['host'])}"
     stem = stem if replace else unused_stem(results_dir, stem, (".json", ".md", ".png"))
     paths = {ext: results_dir / f"{stem}.{ext}" for ext in ("json", "md", "png")}
     paths["json"].write_text(json.dumps(results, indent=2) + "\n")

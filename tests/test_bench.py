@@ -303,6 +303,30 @@ def test_quick_profile_leaves_the_kernel_rows_to_full(monkeypatch):
     assert seen == [quick, bench.BASELINES, ("unfused",)] and "lora" in quick and "alternate" in quick
 
 
+def test_a_tagged_longer_measurement_keeps_the_profile_and_the_page(tmp_path, monkeypatch):
+    """--rounds / --alternate_rounds lengthen one measurement without changing the shipped profile, and --tag names
+    its files <date>_<tag>_<device>_<host> (which tests/test_docs.py's latest bench is not) and leaves the page."""
+    seen = []
+
+    def run_bench(profile, strategies, baselines, runs_dir, recipe):
+        seen.append((profile.repeats, profile.headline_repeats, profile.alternate_rounds, tuple(baselines)))
+        return fake_results()
+
+    monkeypatch.setattr(bench, "run_bench", run_bench)
+    page = tmp_path / "benchmark.md"
+    page.write_text(f"{bench_report.README_START}\nold\n{bench_report.README_END}\n")
+    bench.main(["--strategies", "single", "--baselines", "loop", "trainer", "--rounds", "16", "--alternate_rounds",
+                "12", "--tag", "rounds16", "--results_dir", str(tmp_path / "r"), "--bench_page", str(page)])
+    quick = bench.PROFILES["quick"]
+    assert seen == [(16, 16, 12, ("loop", "trainer"))]
+    assert (quick.repeats, quick.headline_repeats, quick.alternate_rounds) == (4, 8, 6)  # the profile is unchanged
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == [f"2026-01-02_rounds16_cpu_box.{ext}"
+                                                                  for ext in ("json", "md", "png")]
+    saved = json.loads((tmp_path / "r" / "2026-01-02_rounds16_cpu_box.json").read_text())
+    assert saved["tag"] == "rounds16" and "--rounds 16" in saved["command"]
+    assert "old" in page.read_text()  # the page quotes make bench's own runs only
+
+
 def test_every_run_gets_the_machine_in_threads_and_grouped_gets_its_flag(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "available_cores", lambda: 8)
     assert [bench.threads_of(w) for w in (1, 2, 3, 16)] == [8, 4, 2, 1]
