@@ -82,8 +82,7 @@ from recipes.testing.probe import COMM_VARIABLE
 from recipes.training.strategy import available_cores
 from scripts import bench_load, memory_model, processes
 from scripts.bench_report import (BENCH_PAGE, MIB, epoch_figures, mib, ratio_lines, ratios, rerender, round_order,
-                                  throughput,
-                                  update_readme, write_results)
+                                  slug, throughput, update_readme, write_results)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -711,12 +710,12 @@ def main(argv=None) -> None:
                         "docs/benchmark.md; README.md quotes only the headline ratios, checked by tests/test_docs.py)")
     parser.add_argument("--hog", metavar="SECONDS@START", help="keep every core busy for SECONDS from START seconds "
                         "after the start, beside the bench: a check that it sets the disturbed runs aside")
-    parser.add_argument("--rounds", type=int, metavar="N", help="interleaved rounds of every compared run instead of "
+    parser.add_argument("--rounds", type=positive_int, metavar="N", help="interleaved rounds of every compared run instead of "
                         "the profile's (the headline ones included): a longer measurement of a few ratios, e.g. "
                         "--strategies single --baselines loop trainer --rounds 16")
-    parser.add_argument("--alternate_rounds", type=int, metavar="N", help="epochs of the `alternate` run (10 blocks "
+    parser.add_argument("--alternate_rounds", type=positive_int, metavar="N", help="epochs of the `alternate` run (10 blocks "
                         "of 5 steps per side each) instead of the profile's")
-    parser.add_argument("--tag", help="name the results <date>_<tag>_<device>_<host> and leave the bench page alone: "
+    parser.add_argument("--tag", type=results_tag, help="name the results <date>_<tag>_<device>_<host> and leave the bench page alone: "
                         "a measurement beside `make bench`'s, not one the pages quote as the latest")
     parser.add_argument("--rerender", metavar="RESULTS_JSON",
                         help="recompute throughput and ratios of a results file from its runs' records, rewrite it")
@@ -749,6 +748,20 @@ def main(argv=None) -> None:
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     if not args.model_name_or_path and not results.get("tag"):  # the page quotes the shipped profiles only
         update_readme(Path(args.bench_page), results, paths)
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
+def results_tag(text: str) -> str:
+    """A tag that names files: letters, digits and dashes once slugged (an empty one would leave the run untagged and
+    let a partial run replace the page's figures)."""
+    if not slug(text):
+        raise argparse.ArgumentTypeError(f"{text!r} has no letter or digit to name the results by")
+    return text
 
 
 def custom_model(name_or_path: str) -> ModelSpec:

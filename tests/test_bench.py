@@ -325,6 +325,10 @@ def test_a_tagged_longer_measurement_keeps_the_profile_and_the_page(tmp_path, mo
     saved = json.loads((tmp_path / "r" / "2026-01-02_rounds16_cpu_box.json").read_text())
     assert saved["tag"] == "rounds16" and "--rounds 16" in saved["command"]
     assert "old" in page.read_text()  # the page quotes make bench's own runs only
+    for bad in (["--rounds", "0"], ["--alternate_rounds", "-2"], ["--tag", " / "]):  # refused before any run
+        with pytest.raises(SystemExit):
+            bench.main(bad)
+    assert len(seen) == 1
 
 
 def test_every_run_gets_the_machine_in_threads_and_grouped_gets_its_flag(tmp_path, monkeypatch):
