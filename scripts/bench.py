@@ -710,13 +710,16 @@ def main(argv=None) -> None:
                         "docs/benchmark.md; README.md quotes only the headline ratios, checked by tests/test_docs.py)")
     parser.add_argument("--hog", metavar="SECONDS@START", help="keep every core busy for SECONDS from START seconds "
                         "after the start, beside the bench: a check that it sets the disturbed runs aside")
-    parser.add_argument("--rounds", type=positive_int, metavar="N", help="interleaved rounds of every compared run instead of "
-                        "the profile's (the headline ones included): a longer measurement of a few ratios, e.g. "
-                        "--strategies single --baselines loop trainer --rounds 16")
-    parser.add_argument("--alternate_rounds", type=positive_int, metavar="N", help="epochs of the `alternate` run (10 blocks "
-                        "of 5 steps per side each) instead of the profile's")
-    parser.add_argument("--tag", type=results_tag, help="name the results <date>_<tag>_<device>_<host> and leave the bench page alone: "
-                        "a measurement beside `make bench`'s, not one the pages quote as the latest")
+    parser.add_argument("--rounds", type=positive_int, metavar="N",
+                        help="interleaved rounds of every compared run instead of the profile's (the headline ones "
+                        "included): a longer measurement of a few ratios, e.g. --strategies single --baselines loop "
+                        "trainer --rounds 16")
+    parser.add_argument("--alternate_rounds", type=positive_int, metavar="N",
+                        help="epochs of the `alternate` run (each (steps - warm-up) / 5 blocks of 5 steps per side) "
+                        "instead of the profile's")
+    parser.add_argument("--tag", type=results_tag,
+                        help="name the results <date>_<tag>_<device>_<host> and leave the bench page alone: a "
+                        "measurement beside `make bench`'s, not one the pages quote as the latest")
     parser.add_argument("--rerender", metavar="RESULTS_JSON",
                         help="recompute throughput and ratios of a results file from its runs' records, rewrite it")
     args = parser.parse_args(argv)
@@ -751,6 +754,7 @@ def main(argv=None) -> None:
 
 
 def positive_int(text: str) -> int:
+    """A count of rounds: 0 would otherwise leave the profile's count, and a negative one round, without a word."""
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
     return int(text)
