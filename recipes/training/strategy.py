@@ -333,15 +333,15 @@ def set_cpu_threads(accelerator, requested: int = 0) -> int:
     """
     if accelerator.device.type != "cpu" and not offloads_optimizer(accelerator):
         return torch.get_num_threads()
-    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    processes, cores = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), available_cores()
     if requested > 0:
         threads = requested
     elif int(os.environ.get("OMP_NUM_THREADS", "0") or 0) > 1:
         threads = int(os.environ["OMP_NUM_THREADS"])
     else:
-        threads = max(1, available_cores() // processes)
+        threads = max(1, cores // processes)
     torch.set_num_threads(threads)
-    warning = oversubscription(threads, processes, available_cores())
+    warning = oversubscription(threads, processes, cores)
     if warning and os.environ.get("LOCAL_RANK", "0") == "0":
         print(f"warning: {warning}", file=sys.stderr)
     return threads
