@@ -28,7 +28,7 @@ from recipes import RecipeError
 from recipes.checkpoints import checkpoint, contract, elastic, longrun
 from recipes.checks import launch_checks
 from recipes.inputs import data, problem, tasks
-from recipes.model import activation_checkpointing, adapters, compilation, kernels, padding_free, source
+from recipes.model import activation_checkpointing, adapters, compilation, kernels, memstats, padding_free, source
 from recipes.outputs import calibration, predict, profiling, records, report, tracking
 from recipes.training import micro_batch, schedule, strategy
 from recipes.config import Config, parse_config  # the flags, each documented (recipes/config.py)
@@ -36,19 +36,22 @@ from recipes.metrics import check_scores, compute_metrics, load_metrics
 from recipes.testing.probe import Probe
 
 
-def build_model(cfg: Config, names: list[str]):
+def build_model(cfg: Config, names: list[str], pinned: dict | None = None):
     labels, hub = problem.hf_labels_config(cfg.problem_type, names), source.loading_kwargs(cfg)
     attention = kernels.model_attention(cfg)  # --attn_implementation; by default transformers' (sdpa where it can)
+    dtype = source.model_dtype(cfg)  # --torch_dtype: fp32 master weights whatever the file's dtype
     if cfg.random_init:
         config = AutoConfig.from_pretrained(cfg.model_name_or_path, **labels, **hub)
         with kernels.attention_refused(cfg):
             return padding_free.apply(cfg, AutoModelForSequenceClassification.from_config(
-                config, trust_remote_code=cfg.trust_remote_code, **attention))  # --padding_free: per-sequence attention
+                config, trust_remote_code=cfg.trust_remote_code, dtype=config.dtype if dtype == "auto" else dtype,
+                **attention))  # --padding_free: per-sequence attention
     with source.mismatched_sizes_refused(cfg), kernels.attention_refused(cfg):
         model = AutoModelForSequenceClassification.from_pretrained(
-            cfg.model_name_or_path, **labels, **hub, **attention, ignore_mismatched_sizes=cfg.ignore_mismatched_sizes)
+            cfg.model_name_or_path, **labels, **hub, **attention, dtype=dtype,
+            ignore_mismatched_sizes=cfg.ignore_mismatched_sizes)
     model = padding_free.apply(cfg, strategy.drop_unused_weight_renamings(model))
-    return adapters.apply(cfg, model)  # --use_peft: LoRA, the base frozen
+    return adapters.apply(cfg, model, pinned)  # --use_peft: LoRA, the base frozen, its files pinned for the merge
 
 
 def param_groups(model, weight_decay: float) -> list[dict]:
@@ -248,10 +251,11 @@ def main(cfg: Config) -> dict:
     check_scores(cfg.problem_type, tasks.extra_scores(cfg), len(names))  # --metric_name fits the problem
     loss_fn = problem.TrainingLoss.of(cfg, names, train_ds)  # --class_weights, --label_smoothing_factor
     calibration.check(cfg)  # --calibrate: a single-label run that trains and evaluates
-    terms = contract.Contract.of(cfg, train_ds, accelerator.num_processes)  # flags, model, data: what is trained
+    terms = contract.Contract.of(cfg, train_ds, accelerator.num_processes,  # flags, model, data, launch: what is trained
+                                 contract.launch_identity(accelerator), {"validation": eval_ds, **dict(extra_eval)})
     start = terms.settle(start, cfg.force_resume)  # a resume trains what its checkpoint did, or says what changes
     run = longrun.LongRun(cfg, start, out)  # checks --metric_for_best_model
-    model = build_model(cfg, names)
+    model = build_model(cfg, names, terms.model)
     launch_checks.check_launch(cfg, model)
     activation_checkpointing.apply(model, cfg.gradient_checkpointing)
     fitted = micro_batch.fit(cfg, accelerator, model, start, probe)  # --auto_micro_batch: sets micro x accumulation
@@ -279,29 +283,30 @@ def main(cfg: Config) -> dict:
     loaders.extra_eval = [(prefix, accelerator.prepare(data.eval_loader(cfg, ds, tokenizer)))
                           for prefix, ds in extra_eval]
 
-    if accelerator.is_main_process:
-        checkpoint.prepare_output_dir(out, start, cfg.overwrite_output_dir)
-        resolved = {**records.describe_run(cfg, accelerator, total_steps, len(train_ds), len(eval_ds)),
-                    "training_contract": terms.record(),
-                    "long_run": run.describe(), **micro_batch.describe(fitted, accelerator),
-                    "kernels": kernels.describe(accelerator.unwrap_model(model), optimizer, accelerator.device),
-                    **adapters.describe(accelerator.unwrap_model(model))}  # --use_peft: "lora", its counts
-        (out / "run_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
-    accelerator.init_trackers("cls", config=records.tracker_config(asdict(cfg)))
     with accelerator.main_process_first():  # rank 0 copies the metric modules into evaluate's cache first
         metrics = load_metrics(cfg.problem_type, tasks.extra_scores(cfg))
-
-    doing = f"training {len(train_ds)} examples for {total_steps} steps" if cfg.do_train else "evaluating"
-    accelerator.print(f"{doing} on {accelerator.num_processes} process(es), {accelerator.distributed_type.value}, "
-                      f"precision {accelerator.mixed_precision}")
     set_seed(cfg.seed, device_specific=True)  # per-rank dropout streams, identical whatever the strategy's init did
-    if start.path:
+    if start.path:  # loaded on every rank before any file of --output_dir changes: a failed resume loses nothing
         checkpoint.load_checkpoint(accelerator, optimizer, scheduler, start, cfg.seed)  # model, optimizer, RNGs
         kernels.apply_after_load(optimizer, cfg.optim, accelerator.device)  # --optim, not the checkpoint's choice
         contract.apply_changes(start.changes, cfg, scheduler)  # --force_resume: the new rate, decay
         accelerator.print(f"resumed from {start.path} at step {start.step}")
     elif cfg.resume_from_checkpoint == "auto":
         accelerator.print(f"--resume_from_checkpoint auto: no checkpoint in {out / 'checkpoints'}, starting fresh")
+    if accelerator.is_main_process:
+        checkpoint.prepare_output_dir(out, start, cfg.overwrite_output_dir, cfg.do_train)
+        resolved = {**records.describe_run(cfg, accelerator, total_steps, len(train_ds), len(eval_ds)),
+                    "dtypes": {"model_file": source.file_dtype(cfg), **memstats.describe_dtypes(optimizer)},
+                    "training_contract": terms.record(),
+                    "long_run": run.describe(), **micro_batch.describe(fitted, accelerator),
+                    "kernels": kernels.describe(accelerator.unwrap_model(model), optimizer, accelerator.device),
+                    **adapters.describe(accelerator.unwrap_model(model))}  # --use_peft: "lora", its counts
+        (out / "run_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
+    accelerator.wait_for_everyone()  # no rank writes into --output_dir before rank 0 has prepared it
+    accelerator.init_trackers("cls", config=records.tracker_config(asdict(cfg)))
+    doing = f"training {len(train_ds)} examples for {total_steps} steps" if cfg.do_train else "evaluating"
+    accelerator.print(f"{doing} on {accelerator.num_processes} process(es), {accelerator.distributed_type.value}, "
+                      f"precision {accelerator.mixed_precision}")
     probe.watch(model, accelerator)
     kept = report.Kept()  # the gathered logits and labels of the evaluation that final/ holds
     if cfg.do_train:
@@ -321,13 +326,13 @@ def main(cfg: Config) -> dict:
     if predict_ds is not None:  # multi-label: at the stored or --calibrate thresholds per label, if any
         predict.write_predictions(cfg, accelerator, model, predict_ds, tokenizer, names, out / "predictions.jsonl",
                                   thresholds)
+    written = (None, None)  # this run's report and calibration: what the model card says of them
     if accelerator.is_main_process:  # <output_dir>/eval_report/ (recipes/outputs/report.py), --calibrate into final/
-        if cfg.eval_report:
-            report.write(cfg, out, held, what, names, say=accelerator.print)
-        calibration.calibrate(cfg, out, held, what, names, thresholds, say=accelerator.print)
+        written = (report.write(cfg, out, held, what, names, say=accelerator.print) if cfg.eval_report else None,
+                   calibration.calibrate(cfg, out, held, what, names, thresholds, say=accelerator.print))
     if cfg.do_train:
         result = final
-        tracking.finish(cfg, accelerator, out, result)  # final/README.md, and the upload with --push_to_hub
+        tracking.finish(cfg, accelerator, out, result, *written)  # final/README.md; the upload with --push_to_hub
     accelerator.end_training()
     scores = " ".join(f"{k} {v:.4f}" for k, v in result.items() if k in longrun.ACCEPTED[cfg.problem_type])
     accelerator.print(f"eval {scores} on {result.get('n_examples', 0)} examples after {result['step']} steps; "

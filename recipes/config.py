@@ -20,6 +20,9 @@ from recipes.outputs import tracking
 class Config:
     model_name_or_path: str = field(default="roberta-base", metadata={"help": "Hub id or local folder of the encoder"})
     random_init: bool = field(default=False, metadata={"help": "build the architecture from its config, no weights"})
+    torch_dtype: str = field(default="float32", metadata={
+        "help": "dtype of the weights the optimizer updates (master weights, Adam state): float32, bfloat16, float16 "
+                "or auto (the model file's); compute precision is the launch config's mixed_precision"})
     tokenizer_name: Optional[str] = field(default=None, metadata={"help": "tokenizer id or folder (default: model's)"})
     revision: str = field(default="main", metadata={"help": "Hub branch, tag or commit of model and tokenizer"})
     cache_dir: Optional[str] = field(default=None, metadata={"help": "where Hub downloads are kept (default: HF_HOME)"})

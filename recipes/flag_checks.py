@@ -10,9 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from recipes import RecipeError
-from recipes.checkpoints import longrun
+from recipes.checkpoints import checkpoint, longrun
 from recipes.inputs.problem import PROBLEM_TYPES
 from recipes.model import adapters, compilation, kernels, padding_free
+from recipes.model.source import DTYPES
 from recipes.outputs import profiling
 from recipes.training import schedule
 
@@ -69,7 +70,12 @@ def flag_problems(cfg) -> list[str]:
     unknown = [n for n in asked(cfg.metric_name) if n not in shipped]
     if unknown:
         problems.append(f"--metric_name {','.join(unknown)}: not a shipped metric ({', '.join(shipped)})")
+    if cfg.torch_dtype not in DTYPES:
+        problems.append(f"unknown --torch_dtype '{cfg.torch_dtype}' (one of {', '.join(DTYPES)})")
     if not cfg.do_train:
+        if cfg.overwrite_output_dir:
+            problems.append("--do_train false with --overwrite_output_dir: a run without training never replaces a "
+                            "run's outputs; give another --output_dir")
         if cfg.resume_from_checkpoint:
             problems.append("--do_train false with --resume_from_checkpoint: there is no training to resume")
         if not cfg.do_eval and not (cfg.do_predict or cfg.predict_file):
@@ -92,8 +98,26 @@ def flag_problems(cfg) -> list[str]:
             problems.append(problem)
     if cfg.predict_file and not Path(cfg.predict_file).is_file():
         problems.append(f"predict file not found: {cfg.predict_file}")
+    problems += inputs_among_outputs(cfg)
     problems += adapters.flag_problems(cfg)  # --use_peft and the LoRA flags
     problems += padding_free.flag_problems(cfg)
+    return problems
+
+
+def inputs_among_outputs(cfg) -> list[str]:
+    """A training run's inputs inside an output it replaces (a run's final/ re-tuned into its own folder): the model
+    LoRA's merge reads again at every save, or a data file, would be gone or changed under the run."""
+    if not cfg.do_train:
+        return []  # a run without training never changes a training run's outputs (checkpoint.find_checkpoint)
+    out = Path(cfg.output_dir).resolve()
+    problems = []
+    for flag in ("model_name_or_path", "tokenizer_name", "train_file", "validation_file", "predict_file"):
+        value = getattr(cfg, flag)
+        path = Path(value).resolve() if value and Path(value).exists() else None
+        inside = [name for name in checkpoint.RUN_OUTPUTS if path and (path == out / name or out / name in path.parents)]
+        if inside:
+            problems.append(f"--{flag} {value} is inside {inside[0]}/ of --output_dir, which this run replaces: copy "
+                            "it elsewhere first, or train into another --output_dir")
     return problems
 
 

@@ -141,7 +141,7 @@ def lora_skeleton(model, lora_r: int):
 
     flags = SimpleNamespace(use_peft=True, lora_r=lora_r, lora_alpha=adapters.LORA_DEFAULTS["lora_alpha"],
                             lora_dropout=0.0, lora_target_modules=None, model_name_or_path="", revision="main",
-                            cache_dir=None, trust_remote_code=False)
+                            cache_dir=None, trust_remote_code=False, ignore_mismatched_sizes=False)
     with torch.device("meta"):
         return adapters.apply(flags, model)
 

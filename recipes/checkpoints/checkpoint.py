@@ -47,6 +47,8 @@ class ResumePoint:
     contract: Optional[dict] = None  # the training it is part of (contract.py); None: written before them
     finished: bool = False  # written at the end of training (the last step, or an early stop)
     changes: list = field(default_factory=list)  # contract.Change applied from this checkpoint on (--force_resume)
+    seed: Optional[int] = None  # its --seed, which ordered the epoch in progress; None: a fresh start
+    best_restarts: bool = False  # an applied change of the evaluation: best/ and the patience count start again
 
 
 def check_shared_output_dir(accelerator, out: Path) -> None:
@@ -169,13 +171,7 @@ def agree_saved(accelerator, name: str, error: Optional[BaseException], device=N
     another layout of GPUs per machine (2 x 4 -> 1 x 8, or back) rank r sits on another device number than when it
     saved, so its own stream is found only through the number it had then (restore_cuda_rng).
     """
-    mine = (device, None if error is None else f"{type(error).__name__}: {error}")
-    if accelerator.num_processes == 1:
-        verdicts = [mine]
-    else:
-        from accelerate.utils import gather_object
-
-        verdicts = gather_object([mine])
+    verdicts = gather_verdicts(accelerator, error, extra=device)
     failed = [(rank, why) for rank, (_, why) in enumerate(verdicts) if why]
     if failed:
         rank, why = failed[0]
@@ -200,21 +196,51 @@ def newest_checkpoint(root: Path) -> Optional[Path]:
     return found[-1][1] if found else None
 
 
-def earlier_run(out: Path) -> list[str]:
-    """What of an earlier run's training is in `out`: its complete checkpoints and final/ (empty: none)."""
+# What a run writes into --output_dir (README "What a run writes"): --overwrite_output_dir removes these, nothing else.
+RUN_OUTPUTS = ("checkpoints", "final", "best", "metrics.jsonl", "eval.jsonl", "run_config.json", "predictions.jsonl",
+               "eval_report", "ranks", "profile", "cls", "mlruns", "final.tmp", "best.tmp")
+# What a run writes after training, from final/'s weights.
+END_OF_RUN = ("eval_report", "predictions.jsonl")
+# What a run without training (--do_train false) writes; the others are a training run's, never touched by it.
+EVALUATION_OUTPUTS = ("eval.jsonl", "predictions.jsonl", "eval_report", "run_config.json", "cls", "mlruns")
+
+
+def earlier_run(out: Path, records: bool = True) -> list[str]:
+    """What of an earlier run is in `out`: its complete checkpoints, final/ and (with `records`) the other outputs
+    a run writes (empty: none)."""
     found = [f"checkpoints/{p.name}" for _, p in complete_checkpoints(out / "checkpoints")]
-    return found[-2:] + (["final/"] if (out / "final").is_dir() else [])
+    found = found[-2:] + (["final/"] if (out / "final").is_dir() else [])
+    if records:
+        found += [name + ("/" if (out / name).is_dir() else "") for name in RUN_OUTPUTS
+                  if name not in ("checkpoints", "final") and (out / name).exists()]
+    return found
+
+
+def training_outputs(out: Path) -> list[str]:
+    """The outputs in `out` that only a training run writes."""
+    checkpoints = out / "checkpoints"
+    return [name + ("/" if (out / name).is_dir() else "") for name in RUN_OUTPUTS
+            if name not in EVALUATION_OUTPUTS and (out / name).exists()
+            and not (name == "checkpoints" and checkpoints.is_dir() and not any(checkpoints.iterdir()))]
 
 
 def find_checkpoint(cfg, world_size: int) -> ResumePoint:
     """The checkpoint to resume from; a fresh start without --resume_from_checkpoint.
 
     `latest` and `auto` take the newest complete checkpoint of --output_dir; `auto` starts fresh when there is none,
-    so that one command serves the first start and every restart (by an elastic agent, a requeue). A fresh start in a
-    folder that holds an earlier run's checkpoints or final/ stops, unless --overwrite_output_dir replaces that run
-    (prepare_output_dir): its checkpoints would be rotated with the new run's, and its final/ overwritten silently.
+    so that one command serves the first start and every restart (by an elastic agent, a requeue): the records of
+    an attempt that wrote no checkpoint are then its own to replace. A fresh start in a folder that holds an earlier
+    run's outputs stops, unless --overwrite_output_dir replaces that run (prepare_output_dir). A run without
+    training (--do_train false) never changes a training run's outputs: it stops in a folder that holds any.
     """
     out = Path(cfg.output_dir)
+    if not cfg.do_train:
+        found = training_outputs(out)
+        if found:
+            raise RecipeError(f"--output_dir {out} holds a training run ({', '.join(found)}): a run with --do_train "
+                              "false writes eval.jsonl and predictions.jsonl and never changes a training run's "
+                              "outputs; give another --output_dir")
+        return ResumePoint()
     if not cfg.resume_from_checkpoint:
         path = None
     elif cfg.resume_from_checkpoint in ("latest", "auto"):
@@ -229,7 +255,7 @@ def find_checkpoint(cfg, world_size: int) -> ResumePoint:
     else:
         path = Path(cfg.resume_from_checkpoint)
     if path is None:
-        found = earlier_run(out) if cfg.do_train else []
+        found = earlier_run(out, records=cfg.resume_from_checkpoint != "auto")
         if found and not cfg.overwrite_output_dir:
             resume = "--resume_from_checkpoint auto" if any(f.startswith("checkpoints") for f in found) else None
             raise RecipeError(f"--output_dir {out} holds an earlier run ({', '.join(found)}): "
@@ -252,7 +278,7 @@ def find_checkpoint(cfg, world_size: int) -> ResumePoint:
                        skipped_steps=state.get("skipped_steps", 0), cuda_devices=state.get("cuda_devices"),
                        global_batch=elastic.global_batch(state), micro_batch=state["per_device_train_batch_size"],
                        long_run=state.get("long_run"), eval_pending=state.get("eval_pending", False),
-                       contract=state.get("contract"), finished=state.get("finished", False))
+                       contract=state.get("contract"), finished=state.get("finished", False), seed=state.get("seed"))
 
 
 def load_checkpoint(accelerator, optimizer, scheduler, start: ResumePoint, seed: int) -> None:
@@ -263,6 +289,20 @@ def load_checkpoint(accelerator, optimizer, scheduler, start: ResumePoint, seed:
     level) and the run would silently draw other dropout masks; here that fails the resume instead. A rank that did
     not exist when the checkpoint was written gets a fresh deterministic stream (elastic.seed_new_rank).
     """
+    error = None
+    try:
+        restore(accelerator, optimizer, scheduler, start, seed)
+    except Exception as err:  # noqa: BLE001 - any rank's failure, reported by every rank below
+        error = err
+    failed = [(rank, why) for rank, (_, why) in enumerate(gather_verdicts(accelerator, error)) if why]
+    if failed:
+        rank, why = failed[0]
+        raise RecipeError(f"cannot resume from checkpoint {start.path}: rank {rank}: {why}; nothing in --output_dir "
+                          "was changed") from None
+
+
+def restore(accelerator, optimizer, scheduler, start: ResumePoint, seed: int) -> None:
+    """load_checkpoint's work on one rank."""
     from accelerate.utils import load  # torch.load with weights_only=True and numpy's RNG types allow-listed
 
     rank = accelerator.process_index
@@ -274,9 +314,22 @@ def load_checkpoint(accelerator, optimizer, scheduler, start: ResumePoint, seed:
         return
     saved = load(start.path / f"random_states_{rank}.pkl")
     if "torch_manual_seed" not in saved or not torch.equal(saved["torch_manual_seed"], torch.get_rng_state()):
-        raise RecipeError(f"checkpoint {start.path}: the CPU RNG state of rank {rank} was not restored")
+        raise RecipeError(f"the CPU RNG state of rank {rank} was not restored")
     if torch.cuda.is_available():
         restore_cuda_rng(saved, start, rank)
+
+
+def gather_verdicts(accelerator, error: Optional[BaseException], extra=None) -> list[tuple]:
+    """Every rank's (`extra`, its error as one line or None), by rank: a collective on several processes."""
+    from recipes import first_line
+
+    mine = (extra, None if error is None else str(error) if isinstance(error, RecipeError)
+            else f"{type(error).__name__}: {first_line(error)}")
+    if accelerator.num_processes == 1:
+        return [mine]
+    from accelerate.utils import gather_object
+
+    return gather_object([mine])
 
 
 def schedule_stepping_groups(optimizer, scheduler) -> None:
@@ -357,16 +410,14 @@ def copy_weights(src: Path, folder: Path) -> None:
     tmp.rename(folder)
 
 
-# What a run writes into --output_dir (README "What a run writes"): --overwrite_output_dir removes these, nothing else.
-RUN_OUTPUTS = ("checkpoints", "final", "best", "metrics.jsonl", "eval.jsonl", "run_config.json", "predictions.jsonl",
-               "ranks", "profile", "cls", "mlruns", "final.tmp", "best.tmp")
+def prepare_output_dir(out: Path, start: ResumePoint, overwrite: bool = False, training: bool = True) -> None:
+    """Rank 0, after the checkpoint (if any) has loaded on every rank: until then nothing in `out` changes.
 
-
-def prepare_output_dir(out: Path, start: ResumePoint, overwrite: bool = False) -> None:
-    """Rank 0, before training. A resumed run keeps the records up to its checkpoint, takes over from a preemption's
-    marker, drops the checkpoints an abandoned attempt wrote after it (they are another history: rotation, `auto`
-    and `latest` must never pick them) and puts back best/ as it was at the checkpoint. A fresh run starts from an
-    empty record: with --overwrite_output_dir the earlier run's outputs go (find_checkpoint refused it otherwise)."""
+    A resumed run keeps the records up to its checkpoint, takes over from a preemption's marker, drops the
+    checkpoints an abandoned attempt wrote after it (they are another history: rotation, `auto` and `latest` must
+    never pick them) and puts back best/ as it was at the checkpoint (none when the best restarts). A fresh run starts
+    from an empty record: its earlier outputs go (find_checkpoint allowed them: --overwrite_output_dir, or `auto` with
+    an attempt that saved no checkpoint). A run without training replaces only its own earlier outputs."""
     out.mkdir(parents=True, exist_ok=True)
     if start.path:
         truncate_records(out, start.step)
@@ -381,14 +432,21 @@ def prepare_output_dir(out: Path, start: ResumePoint, overwrite: bool = False) -
                   "run replaces")
         if root.is_dir() and start.path.parent == root:
             (root / "latest").write_text(source_checkpoint(start.path).name + "\n")
-        restore_best(out, source_checkpoint(start.path))
+        restore_best(out, None if start.best_restarts else source_checkpoint(start.path))
+        for name in END_OF_RUN:  # of the history this run replaces; written again at its end, or not at all
+            remove(out / name)
         return
-    for name in RUN_OUTPUTS if overwrite else ("metrics.jsonl", "eval.jsonl", "best"):
-        target = out / name
-        if target.is_dir():
-            shutil.rmtree(target)
-        else:
-            target.unlink(missing_ok=True)
+    doomed = EVALUATION_OUTPUTS if not training else RUN_OUTPUTS if overwrite else \
+        [name for name in RUN_OUTPUTS if name != "checkpoints"]
+    for name in doomed:
+        remove(out / name)
+
+
+def remove(target: Path) -> None:
+    if target.is_dir():
+        shutil.rmtree(target)
+    else:
+        target.unlink(missing_ok=True)
 
 
 def source_checkpoint(path: Path) -> Path:
@@ -396,11 +454,12 @@ def source_checkpoint(path: Path) -> Path:
     return path.with_name(path.name[:-len(".universal")]) if path.name.endswith(".universal") else path
 
 
-def restore_best(out: Path, checkpoint_dir: Path) -> None:
+def restore_best(out: Path, checkpoint_dir: Optional[Path]) -> None:
     """best/ as it was when `checkpoint_dir` was saved: the snapshot kept in it, or none when there was no best
-    yet. An abandoned attempt's later best (from evaluations after the checkpoint, no longer in eval.jsonl) goes."""
+    yet (or None: the best restarts). An abandoned attempt's later best (from evaluations after the checkpoint, no
+    longer in eval.jsonl) goes."""
     shutil.rmtree(out / "best", ignore_errors=True)
-    if (checkpoint_dir / "best").is_dir():
+    if checkpoint_dir is not None and (checkpoint_dir / "best").is_dir():
         link_tree(checkpoint_dir / "best", out / "best")
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from recipes import RecipeError
+from recipes.model.identity import TOKENIZER_FILES, folder_identity, is_model_file
 
 # Changed on resume: refused even with --force_resume, since the checkpoint's training could not go on with them.
 REFUSED = {
@@ -44,10 +45,12 @@ REFUSED = {
     "lora_alpha": "another scale of the trained update: the same adapters would be another model",
     "lora_dropout": "the adapters' dropout is built into the model at the start (PEFT 0.21.2 has no setter)",
     "lora_target_modules": "adapters on other modules than the checkpoint's",
+    "torch_dtype": "the master weights' and optimizer state's dtype: the checkpoint's state was kept in the other",
 }
 # Changed on resume with --force_resume: applied from the resumed step on, as said here.
 APPLIED = {
-    "seed": "the sample order of the rest of the run (the dropout streams continue the checkpoint's)",
+    "seed": "the sample order from the next epoch on: the epoch in progress keeps the checkpoint's order (the dropout "
+            "streams continue the checkpoint's)",
     "learning_rate": "the optimizer groups' and the schedule's base rate: each step's rate is the new base times the "
                      "schedule's factor at that step",
     "weight_decay": "the decay of the matrices' optimizer group",
@@ -63,7 +66,15 @@ APPLIED = {
     "group_by_length": "the order of the later epochs (the resumed epoch keeps the checkpoint's)",
     "early_stopping_patience": "the patience of later evaluations",
     "load_best_model_at_end": "what final/ holds",
+    "tf32": "matmul precision of every later step on GPUs",
+    "eval_steps": "when later evaluations run; best/ and the patience count restart (they counted other evaluations)",
+    "multi_label_threshold": "later evaluations; best/ and the patience count restart (they compared other scores)",
 }
+# Applied changes after which the best value and the patience count start again: the evaluations before the resume
+# scored something else than the ones after it.
+RESTARTS_BEST = ("eval_steps", "multi_label_threshold", "evaluation")
+# Applied changes of the sample order: the epoch in progress at the checkpoint keeps the checkpoint's order.
+ORDER_FLAGS = ("seed", "group_by_length")
 # Not compared: why a change of it does not change what is trained (or is compared another way).
 EXEMPT = {
     "model_name_or_path": "a location: the model is compared by the hash of its files",
@@ -75,17 +86,15 @@ EXEMPT = {
     "trust_remote_code": "a permission: the code it allows is among the model's hashed files",
     "ignore_mismatched_sizes": "start-up loading only: a resumed run's weights come from the checkpoint",
     "train_file": "a location: the training data are compared by fingerprint (rows, token ids, labels)",
-    "validation_file": "evaluation",
-    "multi_label_threshold": "evaluation",
+    "validation_file": "a location: the evaluation set is compared by fingerprint (rows, token ids, labels)",
     "test_split_name": "predictions after training",
     "predict_file": "predictions after training",
     "do_predict": "predictions after training",
     "do_train": "a resume always trains (flag_checks)",
     "do_eval": "evaluation",
     "metric_name": "evaluation",
-    "max_eval_samples": "evaluation size",
-    "per_device_eval_batch_size": "evaluation size",
-    "eval_steps": "when to evaluate; evaluations do not change the weights",
+    "max_eval_samples": "the evaluation set is compared by fingerprint",
+    "per_device_eval_batch_size": "the batching of the same evaluation",
     "output_dir": "output",
     "overwrite_output_dir": "output",
     "per_device_train_batch_size": "the split of the global batch, which is compared",
@@ -95,7 +104,6 @@ EXEMPT = {
     "optim": "the same AdamW update by another kernel (kernels.apply_after_load applies the flag's)",
     "attn_implementation": "the same attention by another kernel",
     "sdpa_cudnn": "the same attention by another kernel",
-    "tf32": "matmul precision on GPUs, like the launch config's precision",
     "pad_to_max_length": "padding: the same sums over the real tokens",
     "pad_to_multiple_of": "padding: the same sums over the real tokens",
     "padding_free": "padding: the same sums over the real tokens",
@@ -123,36 +131,93 @@ EXEMPT = {
 COMPARED = {**REFUSED, **APPLIED}
 # What resuming with a change of the derived entries means (not flags).
 DERIVED = {"model": "other model weights or config", "tokenizer": "another tokenizer", "data": "other training data"}
-# Files of a model folder that make it what it is (its Python code and weights too), and of a tokenizer.
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.txt", "vocab.json", "merges.txt", "spm.model", "spiece.model", "sentencepiece.bpe.model",
-                   "tokenizer.model")
-MODEL_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
+# The evaluation sets' fingerprints: applied with --force_resume, restarting best/ and the patience count.
+EVALUATION = "evaluation"
+# The launch a checkpoint binds a resume to (launch_identity): the strategy's family, the precision, DeepSpeed's
+# training keys, FSDP's settings. A difference is refused (it could not load, or would train otherwise: LAUNCH_WHY)
+# unless LAUNCH_APPLIED says how --force_resume applies it. The number of processes may change: elastic.py, recorded.
+LAUNCH_APPLIED = {
+    "mixed_precision": "the compute precision of every later step, between no and bf16 (master weights and optimizer "
+                       "state stay the checkpoint's fp32)",
+    "fsdp.reshard_after_forward": "where gathered weights wait between forward and backward: the same arithmetic",
+    "fsdp.activation_checkpointing": "the same gradients, recomputed",
+}
+LAUNCH_WHY = {
+    "strategy": "a checkpoint is stored in its strategy's own format: resume under the launch config that wrote it",
+    "mixed_precision": "DeepSpeed keeps its optimizer state by precision, and fp16's loss scale is state the other "
+                       "precisions lack: resume with the precision that wrote it",
+    "deepspeed": "the DeepSpeed engine and its saved state follow these keys: resume with the JSON that wrote it",
+    "fsdp": "FSDP's saved state follows these settings: resume with the launch config that wrote it",
+}
+# DeepSpeed keys that do not change what is trained or how it is saved: buffering, overlap, logging; the batch
+# layout (compared as the global batch) and gradient_clipping (--max_grad_norm, checked equal at start-up).
+DEEPSPEED_NOT_COMPARED = (
+    "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "gradient_clipping",
+    "steps_per_print", "wall_clock_breakdown", "checkpoint", "flops_profiler", "comms_logger", "tensorboard", "wandb",
+    "csv_monitor", "zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients",
+    "zero_optimization.reduce_scatter", "zero_optimization.reduce_bucket_size", "zero_optimization.allgather_partitions",
+    "zero_optimization.allgather_bucket_size", "zero_optimization.round_robin_gradients",
+    "zero_optimization.sub_group_size", "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.stage3_param_persistence_threshold", "zero_optimization.stage3_max_live_parameters",
+    "zero_optimization.stage3_max_reuse_distance", "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+    "zero_optimization.offload_optimizer.pin_memory", "zero_optimization.offload_param.pin_memory")
+FSDP_COMPARED = ("fsdp_version", "state_dict_type", "cpu_offload", "reshard_after_forward", "activation_checkpointing",
+                 "cpu_ram_efficient_loading")
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """{"a.b": value} of a nested dict's leaves."""
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
 
 
-def is_model_file(path: Path) -> bool:
-    return path.name in MODEL_FILES or path.suffix in (".py", *WEIGHT_SUFFIXES) or path.name.endswith(".index.json")
+def launch_identity(accelerator, data_parallel: bool = False) -> dict:
+    """What of the launch a checkpoint is bound to: the strategy's family (one process, DDP and nn.DataParallel store
+    the same files), the mixed precision, DeepSpeed's training keys, FSDP's settings."""
+    kind = accelerator.distributed_type.value
+    family = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp"}.get(kind, "replicated")
+    launch = {"strategy": family, "mixed_precision": accelerator.mixed_precision}
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None:
+        keys = flatten(plugin.deepspeed_config)
+        launch["strategy"] += f" zero-{plugin.zero_stage}"
+        launch["deepspeed"] = {k: v for k, v in sorted(keys.items())
+                               if not any(k == n or k.startswith(n + ".") for n in DEEPSPEED_NOT_COMPARED)}
+    fsdp = getattr(accelerator.state, "fsdp_plugin", None)
+    if family == "fsdp" and fsdp is not None:
+        launch["fsdp"] = {name: short_value(getattr(fsdp, name, None)) for name in FSDP_COMPARED}
+    return launch
 
 
-def folder_identity(source: str, keep, loading: dict) -> dict:
-    """{file name: sha256} of the files of a local folder that `keep` accepts; for a Hub id {"hub": id, "commit":
-    the commit its files were resolved at} (transformers records it on the config it loads)."""
-    path = Path(source)
-    if path.is_dir():
-        return {p.name: file_sha256(p) for p in sorted(path.iterdir()) if p.is_file() and keep(p)}
-    from transformers import AutoConfig
+def short_value(value):
+    """A plugin setting as JSON keeps it: enums by name, offload policies as whether they offload."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "name"):
+        return value.name
+    return type(value).__name__
 
-    config = AutoConfig.from_pretrained(source, **loading)
-    return {"hub": source, "commit": getattr(config, "_commit_hash", None) or loading.get("revision")}
+
+def launch_changes(saved: dict, now: dict) -> list["Change"]:
+    """Each differing launch setting, refused or applicable (LAUNCH_APPLIED)."""
+    before, after = flatten(saved), flatten(now)
+    changes = []
+    for key in sorted({*before, *after}, key=lambda k: (k.count("."), k)):
+        if before.get(key) == after.get(key):
+            continue
+        applicable = key in LAUNCH_APPLIED and not (key == "mixed_precision" and (
+            "fp16" in (before.get(key), after.get(key)) or after["strategy"].startswith("deepspeed")))
+        refused = None if applicable else LAUNCH_WHY.get(key.split(".")[0], LAUNCH_WHY["strategy"])
+        changes.append(Change(f"launch {key}", before.get(key, "-"), after.get(key, "-"), refused))
+    if any(c.name == "launch strategy" for c in changes):  # its keys follow from it: one line says it
+        changes = [c for c in changes if c.name in ("launch strategy", "launch mixed_precision")]
+    return changes
 
 
 def data_identity(dataset) -> dict:
@@ -188,13 +253,20 @@ class Change:
     refused: Optional[str] = None  # why it cannot be applied; None: applied with --force_resume
 
     def describe(self) -> str:
+        if self.name == EVALUATION:  # before/after: {set name: {rows, sha256}}
+            def one(d):
+                return f"{d['rows']} rows {d['sha256'][:12]}" if d else "-"
+            names = sorted(k for k in {*self.before, *self.after} if self.before.get(k) != self.after.get(k))
+            return "evaluation " + "; ".join(f"{k} {one(self.before.get(k))} -> {one(self.after.get(k))}"
+                                             for k in names)
         if self.name == "global_batch":  # before/after: the batch layouts (recipes/checkpoints/elastic.py)
             from recipes.checkpoints import elastic
 
             return (f"global batch {elastic.describe_layout(self.before)} -> {elastic.describe_layout(self.after)} "
                     f"(to keep {elastic.global_batch(self.before)} samples per step: --gradient_accumulation_steps "
                     f"{elastic.ideal_accumulation(self.before, self.after)})")
-        flag = f"--{self.name}" if self.name in COMPARED else self.name.replace("_", " ")
+        flag = f"--{self.name}" if self.name in COMPARED else self.name if self.name.startswith("launch ") \
+            else self.name.replace("_", " ")
         return f"{flag} {short(self.before)} -> {short(self.after)}"
 
 
@@ -212,11 +284,15 @@ class Contract:
     model: dict
     tokenizer: dict
     data: dict
+    evaluation: dict = field(default_factory=dict)  # the evaluation sets' fingerprints, by name
+    launch: dict = field(default_factory=dict)  # launch_identity
     changes: list = field(default_factory=list)  # [{name, before, after, step}]: applied changes, oldest first
 
     @classmethod
-    def of(cls, cfg, train_ds, world: int) -> "Contract":
-        """This run's contract (after the data are prepared: problem_type is resolved then)."""
+    def of(cls, cfg, train_ds, world: int, launch: Optional[dict] = None, eval_sets: Optional[dict] = None
+           ) -> "Contract":
+        """This run's contract (after the data are prepared: problem_type is resolved then). `eval_sets`: the
+        tokenized evaluation sets by name; `launch`: launch_identity of the Accelerator."""
         from recipes.checkpoints import longrun
         from recipes.model import source
 
@@ -227,6 +303,8 @@ class Contract:
         return cls(flags=flags, model=folder_identity(cfg.model_name_or_path, is_model_file, loading),
                    tokenizer=folder_identity(tokenizer, lambda p: p.name in TOKENIZER_FILES, loading),
                    data=data_identity(train_ds),
+                   evaluation={name: data_identity(ds) for name, ds in (eval_sets or {}).items()},
+                   launch=launch or {},
                    layout={"per_device_train_batch_size": cfg.per_device_train_batch_size,
                            "gradient_accumulation_steps": cfg.gradient_accumulation_steps, "world_size": world})
 
@@ -234,7 +312,8 @@ class Contract:
         return asdict(self)
 
     def differences(self, saved: dict) -> list[Change]:
-        """This run's differences from a checkpoint's recorded contract, flags first."""
+        """This run's differences from a checkpoint's recorded contract, flags first. A checkpoint written before
+        the evaluation sets or the launch were recorded is not compared on them."""
         changes = [Change(name, saved["flags"].get(name), value, REFUSED.get(name))
                    for name, value in self.flags.items() if saved["flags"].get(name) != value]
         from recipes.checkpoints.elastic import global_batch
@@ -248,6 +327,10 @@ class Contract:
                 before, after = ({k: side.get(k, "-") for k in files} for side in (before, after))
             if before != after:
                 changes.append(Change(name, before, after, why))
+        if saved.get(EVALUATION) and saved[EVALUATION] != self.evaluation:
+            changes.append(Change(EVALUATION, saved[EVALUATION], self.evaluation))
+        if saved.get("launch") and self.launch:
+            changes += launch_changes(saved["launch"], self.launch)
         return changes
 
     def settle(self, start, force: bool):
@@ -259,22 +342,30 @@ class Contract:
             return start
         changes = self.differences(start.contract)
         self.changes = list(start.contract.get("changes", []))
+        saved_world, world = start.contract["layout"]["world_size"], self.layout["world_size"]
+        if saved_world != world:  # elastic: allowed at the same global batch, and recorded
+            self.changes.append({"name": "world_size", "before": saved_world, "after": world, "step": start.step})
         if not changes:
             return start
-        listed = "; ".join(c.describe() for c in changes)
-        if not force:
-            raise RecipeError(f"checkpoint {start.path} was written by another training: {listed}. Resume with the "
-                              "same flags and files, or pass --force_resume to apply the changes from step "
-                              f"{start.step} on")
         refused = [c for c in changes if c.refused]
-        if refused:
+        if refused:  # said first, with or without --force_resume: forcing would not help
             raise RecipeError(f"checkpoint {start.path}: --force_resume cannot apply "
                               + "; ".join(f"{c.describe()} ({c.refused})" for c in refused)
                               + ": start a new run (another --output_dir, or --overwrite_output_dir)")
-        self.changes += [{"name": c.name, "before": c.before, "after": c.after, "step": start.step} for c in changes]
+        if not force:
+            raise RecipeError(f"checkpoint {start.path} was written by another training: "
+                              f"{'; '.join(c.describe() for c in changes)}. Resume with the same flags and files, or "
+                              f"pass --force_resume to apply the changes from step {start.step} on")
+        epoch = start.epoch + 1 if start.samples_in_epoch else start.epoch  # the first epoch a new order orders
+        notes = {name: f"from epoch {epoch}" for name in ORDER_FLAGS}
+        notes.update({name: "best/ and patience restart" for name in RESTARTS_BEST})
+        self.changes += [{"name": c.name, "before": c.before, "after": c.after, "step": start.step,
+                          **({"note": notes[c.name]} if c.name in notes else {})} for c in changes]
         if os.environ.get("RANK", "0") == "0":
-            print(f"--force_resume: from step {start.step} on, " + "; ".join(c.describe() for c in changes))
-        return type(start)(**{**vars(start), "changes": changes})
+            print(f"--force_resume: from step {start.step} on, " + "; ".join(
+                c.describe() + (f" ({notes[c.name]})" if c.name in notes else "") for c in changes))
+        restarts = any(c.name in RESTARTS_BEST for c in changes)
+        return type(start)(**{**vars(start), "changes": changes, "best_restarts": restarts})
 
 
 def apply_changes(changes: list, cfg, scheduler) -> None:
@@ -298,3 +389,38 @@ def apply_changes(changes: list, cfg, scheduler) -> None:
     for g in groups:
         g["initial_lr"] = cfg.learning_rate
         g["lr"] = rates[0]
+
+
+# How the table names each refused launch entry.
+LAUNCH_SHOWN = {"strategy": "launch strategy (one process / DDP / nn.DataParallel alike; FSDP; DeepSpeed's ZeRO stage)",
+                "mixed_precision": "launch mixed_precision under DeepSpeed, or to or from fp16",
+                "deepspeed": "launch deepspeed.*: the JSON's keys but buffering, overlap, logging and the batch layout",
+                "fsdp": f"launch fsdp.*: {', '.join(k for k in FSDP_COMPARED if 'fsdp.' + k not in LAUNCH_APPLIED)}"}
+
+
+def markdown_table() -> str:
+    """The whole contract as docs/checkpoints.md shows it (tests/test_docs.py holds the page to it): each compared
+    entry, what a change of it does, grouped where the reason is the same."""
+    def rows(table: dict, verdict: str, name=lambda n: f"`--{n}`") -> list[str]:
+        grouped: dict[str, list[str]] = {}
+        for key, why in table.items():
+            grouped.setdefault(why, []).append(name(key))
+        return [f"| {', '.join(names)} | {verdict} | {why} |" for why, names in grouped.items()]
+
+    derived = {"model": "the model's files (weights, config, code, tokenizer files), by SHA-256; a Hub model by "
+                        "commit", "tokenizer": "the tokenizer's files, by SHA-256", "data": "the tokenized training "
+                        "rows (token ids, labels), by SHA-256"}
+    lines = ["| what | a change on resume | why, or from when |", "|---|---|---|",
+             *rows(REFUSED, "refused"),
+             *rows({k: DERIVED[k] + ": " + v for k, v in derived.items()}, "refused", lambda n: n),
+             *rows(APPLIED, "applied with --force_resume, from the checkpoint's step"),
+             f"| {EVALUATION}: the evaluation sets' rows, by SHA-256 | applied with --force_resume | later "
+             "evaluations; best/ and the patience count restart |",
+             "| global batch (per-device batch x accumulation x processes) | applied with --force_resume | the rest "
+             "of the epoch dealt in the new batch from the checkpoint's sample position; the steps and schedule "
+             "counted anew |",
+             "| number of processes, at the same global batch | allowed, recorded | elastic resume (elastic.py) |",
+             *rows({f"launch {k}": v for k, v in LAUNCH_APPLIED.items()}, "applied with --force_resume",
+                   lambda n: n),
+             *rows({LAUNCH_SHOWN[k]: v for k, v in LAUNCH_WHY.items()}, "refused", lambda n: n)]
+    return "\n".join(lines) + "\n"

@@ -89,7 +89,7 @@ class LongRun:
             raise RecipeError(problem)
         self.greater_is_better = metric_direction(self.metric)
         self.patience, self.keep = cfg.early_stopping_patience, cfg.save_total_limit
-        saved = start.long_run or {}
+        saved = {} if start.best_restarts else start.long_run or {}  # restarted: other evaluations than before
         self.best_value = saved.get("best_value")
         self.best_step = saved.get("best_step")
         self.bad_evals = saved.get("evals_without_improvement", 0)

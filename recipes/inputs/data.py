@@ -411,12 +411,14 @@ class EvenShardBatchSampler(torch.utils.data.Sampler):
         self.lengths, self.group_size = lengths, group_size
         self.full_sizes = round_sizes(n, batch_size, world_size)
         self.resume_epoch, self.resume_samples, self.resume_group_size = None, 0, group_size
+        self.resume_seed = seed
         self.set_epoch(0)
 
-    def resume_at(self, epoch: int, samples: int, group_size: Optional[int] = None) -> None:
+    def resume_at(self, epoch: int, samples: int, group_size: Optional[int] = None, seed: Optional[int] = None
+                  ) -> None:
         """Epoch `epoch` starts after its first `samples` samples (the ones the checkpoint consumed); when it started,
-        its order is the one of `group_size`, the length grouping of the run that wrote the checkpoint (default, and
-        at an epoch's start: this run's)."""
+        its order is the one of `group_size` and `seed`, the length grouping and seed of the run that wrote the
+        checkpoint (default, and at an epoch's start: this run's)."""
         if not 0 <= samples < self.n:
             raise RecipeError(f"the checkpoint consumed {samples} samples of an epoch of {self.n}: other data?")
         if group_size is None or samples == 0:
@@ -424,14 +426,16 @@ class EvenShardBatchSampler(torch.utils.data.Sampler):
         if group_size and self.lengths is None:
             raise RecipeError("the checkpoint was written with --group_by_length: its epoch order needs the lengths")
         self.resume_epoch, self.resume_samples, self.resume_group_size = epoch, samples, group_size
+        self.resume_seed = self.seed if seed is None or samples == 0 else seed
         self.set_epoch(self.epoch)
 
-    def keep_order(self, epoch: int, group_size: int) -> None:
+    def keep_order(self, epoch: int, group_size: int, seed: Optional[int] = None) -> None:
         """Epoch `epoch` is ordered as the run that wrote the checkpoint ordered it (its length grouping
-        `group_size`), whole: the loop skips the consumed micro-batches (`accelerator.skip_first_batches`)."""
+        `group_size` and `seed`), whole: the loop skips the consumed micro-batches (`accelerator.skip_first_batches`)."""
         if group_size and self.lengths is None:
             raise RecipeError("the checkpoint was written with --group_by_length: its epoch order needs the lengths")
         self.resume_epoch, self.resume_samples, self.resume_group_size = epoch, 0, group_size
+        self.resume_seed = self.seed if seed is None else seed
         self.set_epoch(self.epoch)
 
     def set_epoch(self, epoch: int) -> None:
@@ -455,8 +459,9 @@ class EvenShardBatchSampler(torch.utils.data.Sampler):
         """The current epoch's whole sample order (a resumed epoch's in the grouping of the run that wrote it)."""
         if not self.shuffle:
             return list(range(self.n))
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        group_size = self.resume_group_size if self.epoch == self.resume_epoch else self.group_size
+        resumed = self.epoch == self.resume_epoch
+        g = torch.Generator().manual_seed((self.resume_seed if resumed else self.seed) + self.epoch)
+        group_size = self.resume_group_size if resumed else self.group_size
         if group_size:
             return length_grouped_order(self.lengths, group_size, g)
         return torch.randperm(self.n, generator=g).tolist()
@@ -588,12 +593,14 @@ def build_loaders(cfg, train_ds, eval_ds, tokenizer, world_size: int, resume=Non
     if resumed and resume.global_batch == step_samples and resume.samples_in_epoch % round_samples == 0:
         # The same global batch (on any world size): the checkpoint consumed whole optimizer steps of this run's
         # layout, that is whole rounds, which `accelerator.skip_first_batches` skips in the loop.
-        sampler.keep_order(resume.epoch, resume.length_group if resume.samples_in_epoch else group)
+        mid_epoch = bool(resume.samples_in_epoch)  # the epoch in progress keeps the checkpoint's grouping and seed
+        sampler.keep_order(resume.epoch, resume.length_group if mid_epoch else group,
+                           resume.seed if mid_epoch else None)
         skip_epoch, skip = resume.epoch, resume.samples_in_epoch // round_samples
     elif resumed:
         # --force_resume with another global batch: the consumed samples are not whole steps of this run, a count
         # `skip_first_batches` cannot express; the sampler starts the epoch at the checkpoint's sample position.
-        sampler.resume_at(resume.epoch, resume.samples_in_epoch, resume.length_group)
+        sampler.resume_at(resume.epoch, resume.samples_in_epoch, resume.length_group, resume.seed)
     # Own generators: otherwise each new iterator draws its seed from the global RNG and shifts the dropout stream,
     # so a resumed run (which creates its first iterator later) would no longer match the uninterrupted one.
     train_dl = torch.utils.data.DataLoader(train_ds, batch_sampler=sampler, collate_fn=collate,

@@ -213,7 +213,7 @@ class Probe:
         folder.mkdir(parents=True, exist_ok=True)
         record = {"rank": self.rank, "sample_ids": self.sample_ids, "epochs": self.epochs, "param_sums": sums,
                   "start_weights": self.start_weights, "fsdp_units": fsdp_wrap.fsdp_units(model),
-                  "dtypes": {**self.forward_dtypes, **optimizer_dtypes(optimizer)},
+                  "dtypes": {**self.forward_dtypes, **probe_dtypes(optimizer)},
                   "optimizer": optimizer_record(optimizer),
                   "accumulated_grad_dtypes": sorted(self.accumulated_grad_dtypes),
                   "memory": memstats.rank_memory(model, optimizer, device), "comm": self.comm_record()}
@@ -229,15 +229,10 @@ def fingerprint(tensor) -> dict:
             "sum": float(flat.double().sum())}
 
 
-def optimizer_dtypes(optimizer) -> dict:
-    """dtypes of the parameters the innermost torch optimizer updates (the master weights) and of its state."""
-    inner = memstats.innermost_optimizer(optimizer)
-    params = [p for group in inner.param_groups for p in group["params"]]
-    # DeepSpeed ZeRO-3 (0.19.8) empties param_groups outside its step; its fp32 partitions key the state then.
-    params = params or [p for p in inner.state if torch.is_tensor(p)]
-    states = [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
-    return {"master_params": sorted({str(p.dtype) for p in params}),
-            "optimizer_state": sorted({str(t.dtype) for t in states})}
+def probe_dtypes(optimizer) -> dict:
+    """dtypes of the optimizer's master weights and state, as the record names them ("torch.float32")."""
+    masters, states = memstats.optimizer_dtypes(optimizer)
+    return {"master_params": sorted(map(str, masters)), "optimizer_state": sorted(map(str, states))}
 
 
 def optimizer_record(optimizer) -> dict:

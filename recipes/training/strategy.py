@@ -94,6 +94,9 @@ def make_accelerator(cfg):
         rehearse_fsdp_on_cpu(accelerator)
     reduce_fsdp_gradients_in_fp32(accelerator)
     unwrap_without_importing_deepspeed()
+    if cfg.torch_dtype == "float16" and accelerator.mixed_precision == "fp16" and not deepspeed:
+        raise RecipeError("--torch_dtype float16 under fp16 mixed precision: torch 2.13.0's GradScaler cannot unscale "
+                          "fp16 gradients; keep fp32 master weights (the default) or use bf16")
     if cfg.data_parallel and accelerator.num_processes > 1:
         raise RecipeError("--data_parallel runs in one process: use `python recipes/cls.py`, not a multi-process launch")
     return accelerator
