@@ -383,14 +383,14 @@ def test_each_shipped_yaml_maps_to_its_memory_model_strategy():
 
 
 def test_memory_line_is_the_model_state_plus_the_scaled_activations(tiny_model):
-    from scripts import activation_memory
+    from scripts.measure import activation_memory
     from scripts import memory_model as mm
 
     recipe = check_config.recipe_flags({"model_name_or_path": str(tiny_model), "per_device_train_batch_size": 8,
                                         "max_length": 64})
     cache = {}
     line, fits = check_config.memory_line("accelerate_configs/zero2.yaml", recipe, {"num_processes": 4}, 100.0, cache)
-    # the activations of the whole micro-batch, as scripts/activation_memory.py measures them, within 5%
+    # the activations of the whole micro-batch, as scripts/measure/activation_memory.py measures them, within 5%
     measured = activation_memory.measure(str(tiny_model), 8, 64, False)["activations"]
     assert abs(cache[False] / measured - 1) <= 0.05, (cache, measured)
     state = mm.totals(mm.predict("zero2", mm.shape_from_model(str(tiny_model)), 4, "bf16",

@@ -9,7 +9,8 @@ import re
 
 from helpers import REPO
 from recipes import config
-from scripts import bench_kernels, bench_report, demo_pretrained
+from scripts import demo_pretrained
+from scripts.measure import bench_kernels, bench_report
 
 DOCS = [REPO / "README.md", REPO / "README_zh.md", *sorted((REPO / "docs").glob("*.md"))]
 # The three ratios the READMEs quote, as `make bench` names them in its results file.
@@ -42,7 +43,7 @@ def test_benchmark_page_holds_the_latest_results_table():
     stem, results = latest_results()
     page = (REPO / "docs" / "benchmark.md").read_text()
     assert bench_report.BENCH_PAGE == REPO / "docs" / "benchmark.md"
-    assert "default=str(BENCH_PAGE)" in (REPO / "scripts" / "bench.py").read_text()  # --bench_page's default
+    assert "default=str(BENCH_PAGE)" in (REPO / "scripts" / "measure" / "bench.py").read_text()  # --bench_page
     block = page.split(bench_report.README_START, 1)[1].split(bench_report.README_END, 1)[0]
     assert bench_report.markdown_table(results) in block
     for line in bench_report.ratio_lines(results):
@@ -120,7 +121,7 @@ def test_help_has_a_description_an_example_and_each_default_once():
 def test_speed_page_quotes_the_latest_compile_results():
     """docs/speed.md gives each compiled / eager speed ratio of the latest `make bench BENCH=compile` as that bench
     prints it (median, min, max), and names its results file."""
-    from scripts import bench_compile
+    from scripts.measure import bench_compile
 
     stem, results = latest_results("compile")
     speed = (REPO / "docs" / "speed.md").read_text()
@@ -200,7 +201,7 @@ def test_make_targets_the_docs_name_exist():
 
 
 def newest_record(kind: str) -> tuple[str, dict]:
-    """The newest CPU record of `make <kind>` (scripts/run_record.py: results/<date>_<kind>_cpu_<host>.json)."""
+    """The newest CPU record of `make <kind>` (scripts/measure/run_record.py: results/<date>_<kind>_cpu_<host>.json)."""
     path = max((REPO / "results").glob(f"*_{kind}_cpu_*.json"), key=lambda p: p.name)
     return path.stem, json.loads(path.read_text())
 
@@ -221,7 +222,7 @@ def test_demo_and_pairs_figures_equal_their_records():
 def test_run_record_keeps_the_last_evaluation_and_refuses_a_run_without_one(tmp_path):
     import pytest
 
-    from scripts import run_record
+    from scripts.measure import run_record
 
     run = tmp_path / "run"
     run.mkdir()
@@ -254,7 +255,7 @@ def test_every_flag_the_docs_name_exists():
 
     parsers = [config.build_parser(), launch_command_parser()]
     known = {s for parser in parsers for action in parser._actions for s in action.option_strings}
-    for path in [*(REPO / "scripts").glob("*.py"), REPO / "scripts" / "slurm_multinode.sh"]:
+    for path in [*(REPO / "scripts").rglob("*.py"), REPO / "scripts" / "slurm_multinode.sh"]:
         known |= set(re.findall(r"[\"'](--[a-z][a-z0-9_-]*)[\"']", path.read_text()))
     named = {(path.name, flag) for path in [*DOCS, REPO / "ds_configs" / "README.md"]
              for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]*)", path.read_text())}
@@ -264,7 +265,7 @@ def test_every_flag_the_docs_name_exists():
 
 def test_activation_memory_figures_equal_their_record():
     """docs/tutorials.md's activation and peak MiB with and without checkpointing are those of the newest
-    `scripts/activation_memory.py --record` file, which the page names."""
+    `scripts/measure/activation_memory.py --record` file, which the page names."""
     stem, record = newest_record("activation_memory")
     text = (REPO / "docs" / "tutorials.md").read_text()
     mib = 1024**2
@@ -277,12 +278,13 @@ def test_activation_memory_figures_equal_their_record():
 def test_deepspeed_figures_equal_their_record():
     """docs/tutorials.md's ZeRO-1 measured / predicted in bf16 (as shipped, and with fp32 gradient accumulation) and
     ds_configs/README.md's host reads per optimizer step ("Host syncs") are those of the newest
-    `python scripts/deepspeed_record.py` record, which both pages name; the fp32 figure beside them is `make
+    `python scripts/measure/deepspeed_record.py` record, which both pages name; the fp32 figure beside them is `make
     bench`'s. So are the "Bucket sizes" collective counts of ZeRO-3."""
     stem, record = newest_record("deepspeed")
     runs = record["runs"]
     assert record["world_size"] == 2 and record["precision"] == "bf16"
-    assert record["command"].startswith("python scripts/deepspeed_record.py")
+    # records written before the script moved to scripts/measure/ keep the command they ran
+    assert re.match(r"python scripts/(measure/)?deepspeed_record\.py", record["command"]), record["command"]
     # what ran, as rank 0 recorded it: the overflow check off and on, BF16_Optimizer under fp32 accumulation
     overflow_check = [runs[name]["optimizer"]["check_grad_overflow"] for name in ("zero2", "zero2_overflow_check")]
     assert overflow_check == [False, True]

@@ -26,7 +26,8 @@ from recipes.inputs import data
 from recipes.outputs import records
 from recipes.testing.probe import Probe
 from recipes.training import strategy
-from scripts import bench, check_config
+from scripts import check_config
+from scripts.measure import bench
 
 
 def test_output_dir_not_shared_stops_both_machines_at_start_up(tiny_model, tmp_path):
@@ -611,7 +612,7 @@ def test_bench_baselines_take_one_gpu_the_runs_precision_and_the_recipes_matmul_
     take all four: nn.DataParallel and 4 x the batch) in the model's precision, and the baselines refuse several GPUs
     themselves; on a GPU in fp32 they compute with TF32 matmuls as the recipe does (recipes/training/strategy.py
     use_tf32_matmuls), so the fp32 comparisons are of the same math."""
-    from scripts import bench_baselines
+    from scripts.measure import bench_baselines
 
     profile = bench.PROFILES["full"]
     spec = next(s for s in profile.models if s.name == "roberta-base")
