@@ -41,7 +41,7 @@ from unittest import mock
 
 from recipes.checks import launch_checks, trainer_args_checks
 from recipes.cls import Config
-from recipes.config import HelpFormatter
+from recipes.config import build_parser
 from recipes.model import hub
 from scripts import memory_model
 
@@ -272,12 +272,12 @@ def memory_line(yaml_path: str, recipe: dict, launch: dict, gpu_memory: float | 
 
 
 def main(argv=None) -> int:
-    from transformers import HfArgumentParser
-
-    # The recipe's own flags, unabbreviated as in the recipe: a flag the recipe does not know fails here too.
-    parser = HfArgumentParser(Config, allow_abbrev=False, formatter_class=HelpFormatter,
-                              description="Check accelerate launch YAMLs, their "
-                              "DeepSpeed JSONs and the recipe flags. Run from the repository root.")
+    # The recipe's own parser (its flags and their help, the --no_ ones included), unabbreviated as in the recipe: a
+    # flag the recipe does not know fails here too.
+    parser = build_parser()
+    parser.prog, parser.allow_abbrev, parser.epilog = "scripts/check_config.py", False, None
+    parser.description = "Check accelerate launch YAMLs, their DeepSpeed JSONs and the recipe flags. Run from the " \
+        "repository root."
     parser.add_argument("yamls", nargs="*", help="accelerate launch YAML files")
     parser.add_argument("--all", action="store_true", help="check every file in accelerate_configs/")
     parser.add_argument("--trainer_args", help="a transformers TrainingArguments JSON (scripts/trainer_deepspeed.py "

@@ -116,6 +116,13 @@ def test_help_has_a_description_an_example_and_each_default_once():
     assert helps["--learning_rate"] == "peak learning rate of AdamW (default: 2e-05)"
     assert helps["--no_tf32"] != helps["--tf32"] and "no TF32" in helps["--no_tf32"]
     assert helps["--no_do_train"] == "same as --do_train false"
+    # every --no_X flag says that it turns X off, not X's own description (HfArgumentParser copies that)
+    raw = {action.option_strings[0]: action.help for action in config.build_parser()._actions if action.option_strings}
+    negated = [option for option in raw if option.startswith("--no_")]
+    assert {"--no_tf32", "--no_do_train", "--no_do_eval", "--no_eval_report"} <= set(negated)
+    for option in negated:
+        assert raw[option] != raw["--" + option[len("--no_"):]], option
+    assert helps["--no_eval_report"].startswith("same as --eval_report false")
 
 
 def test_speed_page_quotes_the_latest_compile_results():
