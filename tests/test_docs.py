@@ -252,7 +252,8 @@ def test_run_record_keeps_the_last_evaluation_and_refuses_a_run_without_one(tmp_
 OTHER_PROGRAMS = {"--bf16": "TrainingArguments", "--ddp_backend": "TrainingArguments",
                   "--deepspeed": "TrainingArguments", "--use_cpu": "TrainingArguments", "--deepspeed_config": "deepspeed", "--force-reinstall": "pip",
                   "--index-url": "pip", "--local-dir": "hf download", "--nproc_per_node": "torchrun",
-                  "--rdzv-endpoint": "torchrun", "--requeue": "sbatch", "--signal": "sbatch"}
+                  "--rdzv-endpoint": "torchrun", "--requeue": "sbatch", "--signal": "sbatch", "--nodes": "sbatch",
+                  "--gpus-per-node": "sbatch"}
 
 
 def test_every_flag_the_docs_name_exists():
