@@ -393,3 +393,60 @@ def test_speed_page_quotes_the_latest_kernel_results():
                  f"{verdicts[bench_kernels.verdict(o)]} |")
         assert cells in speed, cells
         assert f"{row['max_abs_logit_diff_eval']:.1e}".replace("e-0", "e-") in speed  # 1.7e-8 as the page writes it
+
+
+def script_commands() -> list[tuple[str, list[str]]]:
+    """Every `python scripts/<...>.py ...` command the pages show, as argv: in shell blocks (continuation lines joined,
+    comments dropped) and in inline code."""
+    import shlex
+
+    found = []
+    for path in [*DOCS, REPO / "ds_configs" / "README.md"]:
+        text = path.read_text()
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+                line = line.split("  #")[0].split(" # ")[0].strip()
+                if line.startswith("python scripts/"):
+                    found.append((path.name, shlex.split(line)))
+        prose = re.sub(r"```.*?```", "", text, flags=re.S)
+        for span in re.findall(r"`([^`]+)`", prose):
+            span = " ".join(span.split())
+            if span.startswith("python scripts/"):
+                found.append((path.name, shlex.split(span)))
+    return found
+
+
+def test_script_commands_the_docs_show_parse(monkeypatch):
+    """Each `python scripts/...` command of README.md, README_zh.md, docs/ and ds_configs/README.md parses with its
+    script's own parser (a missing required flag or an unknown one fails): `bench_baselines.py alternate --rounds 4`
+    without the flags it requires was shown once. The parse is stopped before the script does any work."""
+    import argparse
+    import importlib
+    import inspect
+
+    class Parsed(Exception):
+        pass
+
+    real = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        real(self, args, namespace)  # SystemExit(2) on a missing or unknown flag
+        raise Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    commands = [(page, argv) for page, argv in script_commands()
+                if not any("..." in a or "|" in a for a in argv)]  # a placeholder list of choices is not a command
+    scripts = {argv[1] for _, argv in commands}
+    assert {"scripts/measure/bench_baselines.py", "scripts/check_config.py", "scripts/sweep.py"} <= scripts, scripts
+    for page, argv in commands:
+        module = importlib.import_module(argv[1].removesuffix(".py").replace("/", "."))
+        if not inspect.signature(module.main).parameters:  # a script that takes no arguments (build_deepspeed_ops)
+            assert argv[2:] == [], f"{page}: {' '.join(argv)}: {argv[1]} takes no arguments"
+            continue
+        try:
+            module.main(argv[2:])
+        except Parsed:
+            continue
+        except SystemExit as stop:
+            raise AssertionError(f"{page}: {' '.join(argv)} does not parse (exit {stop.code})") from None
+        raise AssertionError(f"{page}: {' '.join(argv)}: {argv[1]} parsed nothing")
