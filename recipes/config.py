@@ -185,7 +185,8 @@ Without --train_file, --dataset_name or --task_name the recipe trains on the sno
 Guides: README.md, docs/."""
 # Help of the --no_<flag> twins HfArgumentParser adds for each bool field that defaults to True.
 NEGATED_HELP = {"tf32": "full fp32 matmuls on GPUs (no TF32 tensor cores)",
-                "do_train": "same as --do_train false", "do_eval": "same as --do_eval false"}
+                "do_train": "same as --do_train false", "do_eval": "same as --do_eval false",
+                "eval_report": "same as --eval_report false: no <output_dir>/eval_report/"}
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

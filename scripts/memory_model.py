@@ -9,7 +9,7 @@ CUDA context and the unsharded parameters FSDP / ZeRO-3 gather for one layer at 
 The ZeRO paper counts mixed-precision Adam as 16 bytes per parameter (2 bf16 weights + 2 bf16 grads + K=12: 4 fp32
 master + 8 fp32 moments); fp32 Adam is 16 as well (4 + 4 + 8). What each library keeps is not always that split.
 Every rule below was read in the source of the pinned versions (torch 2.13.0, accelerate 1.15.0, deepspeed 0.19.8)
-and checked against recipes/model/memstats.py on CPU (scripts/bench.py prints the ratio for every run):
+and checked against recipes/model/memstats.py on CPU (scripts/measure/bench.py prints the ratio for every run):
 
 DDP (Accelerate, also one process): parameters stay fp32 and bf16 is torch.autocast, which casts weights per op and
   frees the casts with the activations, so fp32 or bf16 hold the same 4 B params + 4 B grads + 8 B Adam. Gradients

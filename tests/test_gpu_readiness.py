@@ -26,7 +26,8 @@ from recipes.inputs import data
 from recipes.outputs import records
 from recipes.testing.probe import Probe
 from recipes.training import strategy
-from scripts import bench, check_config
+from scripts import check_config
+from scripts.measure import bench
 
 
 def test_output_dir_not_shared_stops_both_machines_at_start_up(tiny_model, tmp_path):
@@ -87,7 +88,9 @@ def test_suite_hides_gpus_and_multinode_config_ships_no_address():
 
 def test_slurm_script_with_stub_srun_and_scontrol(tiny_model, tmp_path):
     """scripts/slurm_multinode.sh under stub srun/scontrol/accelerate: one launch per node with its machine rank,
-    nodes x GPUs processes, the first node as the address, and --cpus-per-task handed on to srun."""
+    nodes x GPUs processes, the first node as the address, and --cpus-per-task handed on to srun; the config checker
+    (run for real) gets the launch's config and its process and machine counts first. ACCELERATE_CONFIG names another
+    config for both."""
     bin_dir, calls, submit = tmp_path / "bin", tmp_path / "calls.txt", tmp_path / "submit"
     bin_dir.mkdir()
     submit.mkdir()  # the repository without .venv: the script would activate it and find the real accelerate first
@@ -98,7 +101,7 @@ def test_slurm_script_with_stub_srun_and_scontrol(tiny_model, tmp_path):
         "srun": 'echo "srun $*" >> "$CALLS"; while [[ "$1" == --* ]]; do shift; done\n'
                 'for n in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$n "$@"; done',
         "accelerate": 'echo "accelerate $*" >> "$CALLS"',
-        "python": f'exec {PYTHON} "$@"',
+        "python": f'echo "python $*" >> "$CALLS"; exec {PYTHON} "$@"',
     }
     for name, body in stubs.items():
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
@@ -106,18 +109,33 @@ def test_slurm_script_with_stub_srun_and_scontrol(tiny_model, tmp_path):
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls), "SLURM_NNODES": "2",
            "SLURM_JOB_NODELIST": "gpu-node-[17-18]", "SLURM_JOB_ID": "4242", "SLURM_GPUS_ON_NODE": "4",
            "SLURM_CPUS_PER_TASK": "16", "SLURM_SUBMIT_DIR": str(submit)}
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "slurm_multinode.sh")], cwd=submit, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = calls.read_text().splitlines()
-    assert lines[0].startswith("srun --kill-on-bad-exit=1 --cpus-per-task=16 bash -c")
-    launches = [line.split() for line in lines if line.startswith("accelerate launch")]
-    assert len(launches) == 2
-    for rank, args in enumerate(launches):
-        flags = dict(zip(args, args[1:]))
-        assert flags["--machine_rank"] == str(rank) and flags["--num_processes"] == "8"
-        assert flags["--num_machines"] == "2" and flags["--main_process_ip"] == "gpu-node-17"
-        assert flags["--main_process_port"] == str(20000 + 4242 % 10000)
+    env.pop("ACCELERATE_CONFIG", None)
+    for config in ("accelerate_configs/multinode.yaml", "accelerate_configs/zero2_multinode.yaml"):
+        calls.unlink(missing_ok=True)
+        chosen = {} if config.endswith("/multinode.yaml") else {"ACCELERATE_CONFIG": config}
+        proc = subprocess.run(["bash", str(REPO / "scripts" / "slurm_multinode.sh")], cwd=submit,
+                              env={**env, **chosen}, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        lines = calls.read_text().splitlines()
+        check = lines[0].split()
+        assert check[:3] == ["python", "scripts/check_config.py", config], lines[0]
+        assert dict(zip(check, check[1:]))["--num_processes"] == "8" and dict(zip(check, check[1:]))[
+            "--num_machines"] == "2", lines[0]
+        assert lines[1].startswith("srun --kill-on-bad-exit=1 --cpus-per-task=16 bash -c")
+        launches = [line.split() for line in lines if line.startswith("accelerate launch")]
+        assert len(launches) == 2
+        for rank, args in enumerate(launches):
+            flags = dict(zip(args, args[1:]))
+            assert flags["--config_file"] == config
+            assert flags["--machine_rank"] == str(rank) and flags["--num_processes"] == "8"
+            assert flags["--num_machines"] == "2" and flags["--main_process_ip"] == "gpu-node-17"
+            assert flags["--main_process_port"] == str(20000 + 4242 % 10000)
+    # a misspelt flag stops the job at the pre-check, before any launch
+    calls.unlink()
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "slurm_multinode.sh"), "--learning_rat", "1e-5"],
+                          cwd=submit, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "unrecognized arguments: --learning_rat" in proc.stderr
+    assert not any(line.startswith("srun") for line in calls.read_text().splitlines())
 
 
 @pytest.mark.multiproc
@@ -611,7 +629,7 @@ def test_bench_baselines_take_one_gpu_the_runs_precision_and_the_recipes_matmul_
     take all four: nn.DataParallel and 4 x the batch) in the model's precision, and the baselines refuse several GPUs
     themselves; on a GPU in fp32 they compute with TF32 matmuls as the recipe does (recipes/training/strategy.py
     use_tf32_matmuls), so the fp32 comparisons are of the same math."""
-    from scripts import bench_baselines
+    from scripts.measure import bench_baselines
 
     profile = bench.PROFILES["full"]
     spec = next(s for s in profile.models if s.name == "roberta-base")

@@ -1,6 +1,6 @@
 """The recipe's host work per training step, piece by piece, against what a hand-written loop does instead.
 
-    python scripts/bench_host.py        # about 20 seconds on 2 CPU cores
+    python scripts/measure/bench_host.py        # about 20 seconds on 2 CPU cores
 
 Each piece is timed with `timeit` (the median of --repeat runs of --number calls) on a model of 18 parameters and
 batches already in memory, so that nothing but the bookkeeping runs: the recipe's `StepLog` (recipes/outputs/
@@ -57,7 +57,7 @@ def pieces(number: int = 2000, repeat: int = 7, folder: Path | None = None) -> d
                           "elapsed": 0.0}, grad_norm)
         return one
 
-    def loop_record():  # what the hand-written loop logs (scripts/bench_baselines.py hand_loop)
+    def loop_record():  # what the hand-written loop logs (scripts/measure/bench_baselines.py hand_loop)
         return {"loss": loss.item(), "tokens": int(batch["attention_mask"].sum()),
                 "padded_tokens": batch["attention_mask"].numel()}
 

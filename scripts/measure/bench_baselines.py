@@ -1,9 +1,9 @@
-"""The baselines scripts/bench.py compares the recipe with, on the recipe's work: same data, batch, optimizer.
+"""The baselines scripts/measure/bench.py compares the recipe with, on the recipe's work: same data, batch, optimizer.
 
-    python scripts/bench_baselines.py loop --model_name_or_path artifacts/tiny-roberta --max_train_samples 1920 \
-        --learning_rate 1e-3 --output_dir runs/loop
-    python scripts/bench_baselines.py trainer --model_name_or_path artifacts/tiny-roberta --max_train_samples 1920 \
-        --learning_rate 1e-3 --output_dir runs/trainer
+    python scripts/measure/bench_baselines.py loop --model_name_or_path artifacts/tiny-roberta \
+        --max_train_samples 1920 --learning_rate 1e-3 --output_dir runs/loop
+    python scripts/measure/bench_baselines.py trainer --model_name_or_path artifacts/tiny-roberta \
+        --max_train_samples 1920 --learning_rate 1e-3 --output_dir runs/trainer
 
 `loop` is the minimal hand-written PyTorch loop, one process, no Accelerate; `trainer` is transformers.Trainer in one
 process. Both write the recipe's run records (run_config.json, metrics.jsonl with step/loss/lr/samples/tokens/
@@ -42,8 +42,8 @@ from recipes.inputs import data
 from recipes.model import kernels, memstats, source
 from recipes.outputs import records
 from recipes.training import schedule, strategy
-from scripts import bench_load
-from scripts.bench_report import round_order
+from scripts.measure import bench_load
+from scripts.measure.bench_report import round_order
 
 
 def parse_args(argv=None):
@@ -55,7 +55,8 @@ def parse_args(argv=None):
     parser.add_argument("--model_name_or_path", required=True)
     parser.add_argument("--random_init", action="store_true", help="architecture from its config, no weights")
     parser.add_argument("--pad_to_max_length", action="store_true", help="every batch padded to the recipe's "
-                        "--max_length, as the recipe's flag of that name (scripts/bench_compile.py's fixed shape)")
+                        "--max_length, as the recipe's flag of that name (scripts/measure/bench_compile.py's fixed "
+                        "shape)")
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--max_train_samples", type=int, required=True, help="= steps x batch size: one epoch")
     parser.add_argument("--max_eval_samples", type=int, help="default: the whole validation split")
@@ -180,8 +181,8 @@ class Baton:
     measured from the end of the previous step, or from the moment the loop got its turn, so waiting is never
     counted; block c of every loop covers the same steps (c * block + 1 ...), so loops compare block by block on
     the same batches at nearly the same moment, and a machine whose speed drifts over seconds slows both alike.
-    Over the same stretches it counts the process's CPU seconds and the machine's (scripts/bench_load.py), from which
-    the bench tells a block that other work disturbed.
+    Over the same stretches it counts the process's CPU seconds and the machine's (scripts/measure/bench_load.py), from
+    which the bench tells a block that other work disturbed.
     """
 
     def __init__(self, names: list, block: int, warmup: int, timeout: float = 900.0):
