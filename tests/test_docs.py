@@ -450,3 +450,18 @@ def test_script_commands_the_docs_show_parse(monkeypatch):
         except SystemExit as stop:
             raise AssertionError(f"{page}: {' '.join(argv)} does not parse (exit {stop.code})") from None
         raise AssertionError(f"{page}: {' '.join(argv)}: {argv[1]} parsed nothing")
+
+
+def test_checkpoints_page_holds_the_whole_resume_contract():
+    """docs/checkpoints.md's table is the one contract.py makes from its tables (each compared flag, the derived
+    entries, the launch), and every Config field is in it or exempt with a reason."""
+    from dataclasses import fields
+
+    from recipes.checkpoints import contract
+    from recipes.config import Config
+
+    page = (REPO / "docs" / "checkpoints.md").read_text()
+    start = page.index("\n", page.index("<!-- contract table")) + 1
+    assert page[start:page.index("<!-- end of contract table -->")] == contract.markdown_table()
+    for f in fields(Config):
+        assert (f"`--{f.name}`" in contract.markdown_table()) == (f.name in contract.COMPARED), f.name

@@ -24,51 +24,36 @@ from typing import Optional
 from recipes import RecipeError
 from recipes.model.identity import TOKENIZER_FILES, folder_identity, is_model_file
 
+# Why each compared flag's change is refused or how it is applied: shared where the answer is the same.
+OTHER_DATA = "other training data or inputs: the checkpoint trained on the others"
+OTHER_ADAPTERS = ("other adapters: their set, shape, scale, dropout and modules are built in at the start (PEFT "
+                  "0.21.2 sets none of them later)")
+ORDER = ("the sample order from the next epoch on: the epoch in progress keeps the checkpoint's (the dropout streams "
+         "continue the checkpoint's)")
+OPTIMIZER = ("the rates, decay and schedule from the checkpoint's step (each step's rate the new base times the "
+             "rebuilt schedule's factor there), and the run's length")
+EVERY_STEP = "every later step's clipping, loss or matmul precision"
+EVALUATIONS = "later evaluations; best/ and the patience count restart (they compared other evaluations)"
 # Changed on resume: refused even with --force_resume, since the checkpoint's training could not go on with them.
 REFUSED = {
     "random_init": "the run's start: the checkpoint's weights grew from the other start",
-    "task_name": "another task: other data, labels and scores",
-    "dataset_name": "other training data",
-    "dataset_config_name": "other training data",
-    "text_column": "other training inputs",
-    "text_pair_column": "other training inputs",
-    "truncation": "other training inputs",
-    "label_column": "other training labels",
+    **dict.fromkeys(("task_name", "dataset_name", "dataset_config_name", "max_train_samples", "validation_split",
+                     "validation_split_name", "text_column", "text_pair_column", "truncation", "max_length",
+                     "label_column"), OTHER_DATA),
     "problem_type": "another loss and head",
-    "max_length": "other training inputs",
-    "max_train_samples": "other training data",
-    "validation_split": "another training split",
-    "validation_split_name": "another training split",
     "metric_for_best_model": "best/ and the patience count were kept by the checkpoint's metric",
-    "use_peft": "another set of trained parameters: the checkpoint's optimizer state is of the other set",
-    "lora_r": "adapters of another shape than the checkpoint's",
-    "lora_alpha": "another scale of the trained update: the same adapters would be another model",
-    "lora_dropout": "the adapters' dropout is built into the model at the start (PEFT 0.21.2 has no setter)",
-    "lora_target_modules": "adapters on other modules than the checkpoint's",
+    **dict.fromkeys(("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"), OTHER_ADAPTERS),
     "torch_dtype": "the master weights' and optimizer state's dtype: the checkpoint's state was kept in the other",
 }
 # Changed on resume with --force_resume: applied from the resumed step on, as said here.
 APPLIED = {
-    "seed": "the sample order from the next epoch on: the epoch in progress keeps the checkpoint's order (the dropout "
-            "streams continue the checkpoint's)",
-    "learning_rate": "the optimizer groups' and the schedule's base rate: each step's rate is the new base times the "
-                     "schedule's factor at that step",
-    "weight_decay": "the decay of the matrices' optimizer group",
-    "lr_scheduler_type": "the schedule rebuilt, at the checkpoint's step",
-    "lr_scheduler_kwargs": "the schedule rebuilt, at the checkpoint's step",
-    "warmup_steps": "the schedule rebuilt, at the checkpoint's step",
-    "warmup_ratio": "the schedule rebuilt, at the checkpoint's step",
-    "num_train_epochs": "the run's length and the schedule rebuilt for it",
-    "max_train_steps": "the run's length and the schedule rebuilt for it",
-    "max_grad_norm": "clipping of every later step",
-    "class_weights": "the loss of every later step: weighted, and divided by the window's weight sum",
-    "label_smoothing_factor": "the loss of every later step",
-    "group_by_length": "the order of the later epochs (the resumed epoch keeps the checkpoint's)",
+    **dict.fromkeys(("seed", "group_by_length"), ORDER),
+    **dict.fromkeys(("learning_rate", "weight_decay", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps",
+                     "warmup_ratio", "num_train_epochs", "max_train_steps"), OPTIMIZER),
+    **dict.fromkeys(("max_grad_norm", "class_weights", "label_smoothing_factor", "tf32"), EVERY_STEP),
     "early_stopping_patience": "the patience of later evaluations",
     "load_best_model_at_end": "what final/ holds",
-    "tf32": "matmul precision of every later step on GPUs",
-    "eval_steps": "when later evaluations run; best/ and the patience count restart (they counted other evaluations)",
-    "multi_label_threshold": "later evaluations; best/ and the patience count restart (they compared other scores)",
+    **dict.fromkeys(("eval_steps", "multi_label_threshold"), EVALUATIONS),
 }
 # Applied changes after which the best value and the patience count start again: the evaluations before the resume
 # scored something else than the ones after it.
@@ -407,20 +392,15 @@ def markdown_table() -> str:
             grouped.setdefault(why, []).append(name(key))
         return [f"| {', '.join(names)} | {verdict} | {why} |" for why, names in grouped.items()]
 
-    derived = {"model": "the model's files (weights, config, code, tokenizer files), by SHA-256; a Hub model by "
-                        "commit", "tokenizer": "the tokenizer's files, by SHA-256", "data": "the tokenized training "
-                        "rows (token ids, labels), by SHA-256"}
     lines = ["| what | a change on resume | why, or from when |", "|---|---|---|",
              *rows(REFUSED, "refused"),
-             *rows({k: DERIVED[k] + ": " + v for k, v in derived.items()}, "refused", lambda n: n),
-             *rows(APPLIED, "applied with --force_resume, from the checkpoint's step"),
-             f"| {EVALUATION}: the evaluation sets' rows, by SHA-256 | applied with --force_resume | later "
-             "evaluations; best/ and the patience count restart |",
-             "| global batch (per-device batch x accumulation x processes) | applied with --force_resume | the rest "
-             "of the epoch dealt in the new batch from the checkpoint's sample position; the steps and schedule "
-             "counted anew |",
+             "| model, tokenizer, training data: the SHA-256 of their files (a Hub model: its commit; the data: the "
+             "tokenized rows) | refused | another model, tokenizer or data than the checkpoint trained |",
+             *rows({**APPLIED, EVALUATION: EVALUATIONS}, "applied", lambda n: f"`--{n}`" if n in APPLIED else
+                   "the evaluation sets' tokenized rows (SHA-256)"),
+             "| global batch (per-device batch x accumulation x processes) | applied | the rest of the epoch dealt in "
+             "the new batch from the checkpoint's sample position; the steps and schedule counted anew |",
              "| number of processes, at the same global batch | allowed, recorded | elastic resume (elastic.py) |",
-             *rows({f"launch {k}": v for k, v in LAUNCH_APPLIED.items()}, "applied with --force_resume",
-                   lambda n: n),
+             *rows({f"launch {k}": v for k, v in LAUNCH_APPLIED.items()}, "applied", lambda n: n),
              *rows({LAUNCH_SHOWN[k]: v for k, v in LAUNCH_WHY.items()}, "refused", lambda n: n)]
     return "\n".join(lines) + "\n"
