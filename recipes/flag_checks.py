@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from recipes import RecipeError
-from recipes.checkpoints import checkpoint, longrun
+from recipes.checkpoints import best_model, checkpoint
 from recipes.inputs.problem import PROBLEM_TYPES
 from recipes.model import adapters, compilation, kernels, padding_free
 from recipes.model.source import DTYPES
@@ -93,7 +93,7 @@ def flag_problems(cfg) -> list[str]:
         problems.append(f"--resume_from_checkpoint {resume}: not a folder, 'latest' or 'auto'")
     if cfg.metric_for_best_model is not None:  # checked again once the data tell an inferred problem type
         known_type = cfg.problem_type if cfg.problem_type in PROBLEM_TYPES else None
-        problem = longrun.metric_problem(cfg.metric_for_best_model, known_type)
+        problem = best_model.metric_problem(cfg.metric_for_best_model, known_type)
         if problem:
             problems.append(problem)
     if cfg.predict_file and not Path(cfg.predict_file).is_file():

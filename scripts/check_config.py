@@ -105,7 +105,7 @@ def resolved_deepspeed_config(yaml_path: str, recipe: dict, model_path: str | No
     processes over all machines (default: the YAML's num_processes); that process count; notes for a user of plain
     `deepspeed`.
 
-    The recipe fills the micro-batch and the clipping before `prepare` (strategy.fill_deepspeed_auto), then
+    The recipe fills the micro-batch and the clipping before `prepare` (training/accelerator.py fill_deepspeed_auto), then
     Accelerate 1.15.0 fills the rest inside `Accelerator.prepare` (`_prepare_deepspeed`): the same DeepSpeedPlugin
     calls run here. Offload configs get an "optimizer" section (AdamW, the recipe's values), since plain DeepSpeed
     refuses a torch optimizer with offload and nobody else swaps in its CPU Adam. ValueError when it cannot be done.

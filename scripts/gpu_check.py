@@ -30,7 +30,7 @@ against the pinned hash and used as it is, with only config.json's dropout set t
 
 - fp16 with the default fused AdamW, on one GPU and under FSDP2 (one process): the recipe with step 3's logits made
   NaN (the probe's fault nan:3:0), a real loss-scale overflow; the run must count the step as skipped, hold the
-  learning-rate schedule there and finish (recipes/training/strategy.py OverflowCheck: before it, Accelerate 1.15.0
+  learning-rate schedule there and finish (recipes/training/optimizer_step.py OverflowCheck: before it, Accelerate 1.15.0
   reported the fused kernel's skipped step as taken and the non-finite guard stopped the run);
 
 and per config: status, its per-step losses and the reference's, max and mean |difference| and a verdict against
@@ -402,7 +402,7 @@ def build_ops(timeout: float, retry: bool) -> str:
     if retry:  # this part was killed at the hard limit: its lock would make every later build wait forever
         from torch.utils.cpp_extension import get_default_build_root
 
-        from recipes.training.strategy import held_open
+        from recipes.workarounds.torch import held_open
 
         base = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
         for lock in [*base.glob("*/lock"), *base.glob("*/*/lock")]:

@@ -268,7 +268,7 @@ COMM_TERMS = {
     "fsdp": [("all_gather", 2, "parameters"), ("reduce_scatter", 1, "gradients")],
 }
 # Strategies whose gradients travel in fp32 whatever the compute dtype: DDP keeps fp32 gradients under bf16 autocast;
-# FSDP2 reduces in fp32 (recipes/training/strategy.py reduce_fsdp_gradients_in_fp32).
+# FSDP2 reduces in fp32 (recipes/workarounds/accelerate.py reduce_fsdp_gradients_in_fp32).
 FP32_GRADIENTS = ("ddp", "fsdp")
 
 

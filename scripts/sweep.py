@@ -483,8 +483,8 @@ def fmt(x) -> str:
 def markdown(report: dict) -> str:
     m = report["metric"]
     lines = [f"# Sweep report: {m} ({'higher' if report['greater_is_better'] else 'lower'} is better)", "",
-             f"Per configuration: mean, sample standard deviation and 95% confidence interval over the seeds "
-             f"(Student's t with n - 1 degrees of freedom; n = 1 gives no interval"
+             "Per configuration: mean, sample standard deviation and 95% confidence interval over the seeds "
+             "(Student's t with n - 1 degrees of freedom; n = 1 gives no interval"
              + (f"; an interval reaching past the metric's range [{report['bounds'][0]:g}, {report['bounds'][1]:g}] "
                 "is cut at its end, marked *" if report.get("bounds") else "")
              + "). Paired difference: the best configuration minus this one, seed by seed over the seeds both have "

@@ -831,7 +831,7 @@ def test_host_pieces_time_the_recipes_step_log_at_every_step(tmp_path):
                        "is_lomo_available (twice in each AcceleratedOptimizer.step)",
                        "the prepared loader per batch, over the loader's", "accelerator.accumulate",
                        "AcceleratedScheduler step + get_last_lr, over the scheduler's",
-                       "strategy.clip_gradients, over clip_grad_norm_"}
+                       "optimizer_step.clip_gradients, over clip_grad_norm_"}
     assert all(math.isfinite(v) for v in us.values())
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == list(range(1, 81))  # 2 timings of 40 calls: every call one step

@@ -207,7 +207,7 @@ def test_prediction_on_the_tiny_model(tiny_model):
     assert predict("zero2", shape, 4, "fp32")["total"] == pytest.approx(2 * 4 * P * 3 / 4)
     assert predict("zero2_offload", shape, 2, "bf16")["total"] == pytest.approx(2 * 2 * P / 2)
     assert predict("zero3", shape, 2, "fp32")["total"] == pytest.approx(3 * 4 * P / 2)
-    # FSDP2 gathers bf16 parameters and reduce-scatters fp32 gradients (strategy.reduce_fsdp_gradients_in_fp32)
+    # FSDP2 gathers bf16 parameters and reduce-scatters fp32 gradients (workarounds/accelerate.py reduce_fsdp_gradients_in_fp32)
     assert predict("fsdp", shape, 8, "bf16")["terms"] == pytest.approx(
         {"all_gather": 2 * 2 * P * 7 / 8, "reduce_scatter": 4 * P * 7 / 8})
     assert predict("single", shape, 1, "fp32")["total"] == 0 == predict("ddp", shape, 1, "fp32")["total"]

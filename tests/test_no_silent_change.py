@@ -222,15 +222,10 @@ class FakeAccelerator:
         Path(folder, "model.bin").write_text("weights")
 
 
-class NoProbe:
-    def saved(self, step):
-        pass
-
-
 def test_a_replaced_checkpoint_takes_its_conversion_along_and_a_stale_one_is_redone(tmp_path, monkeypatch):
     out = tmp_path / "run"
     (out / "checkpoints" / "step_2.universal").mkdir(parents=True)
-    checkpoint.save_checkpoint(FakeAccelerator(), out, {"step": 2}, NoProbe())
+    checkpoint.save_checkpoint(FakeAccelerator(), out, checkpoint.TrainerState(step=2))
     assert not (out / "checkpoints" / "step_2.universal").exists()
     # a conversion whose trainer_state.json is not its source's is converted again
     (out / "checkpoints" / "step_2.universal").mkdir()
@@ -243,7 +238,7 @@ def test_a_replaced_checkpoint_takes_its_conversion_along_and_a_stale_one_is_red
 
     accelerator = type("A", (FakeAccelerator,), {"state": State(), "wait_for_everyone": lambda self: None,
                                                  "print": lambda self, *a: None})()
-    start = checkpoint.ResumePoint(step=2, path=out / "checkpoints" / "step_2", saved_world=2)
+    start = checkpoint.ResumePoint(step=2, path=out / "checkpoints" / "step_2", world_size=2)
     elastic.prepare_universal(accelerator, start)
     assert converted == [out / "checkpoints" / "step_2"]
 
@@ -419,7 +414,7 @@ def test_generated_deepspeed_yaml_cannot_override_accumulation_or_clipping(tiny_
 def test_engine_values_are_compared_after_prepare(monkeypatch):
     """What the engine uses, read back after prepare: a clipping other than --max_grad_norm is named with its
     source, and the engine's precision must be the one run_config.json records."""
-    from recipes.training import strategy
+    from recipes.training import accelerator as setup
 
     class Engine:
         def gradient_accumulation_steps(self):
@@ -440,14 +435,14 @@ def test_engine_values_are_compared_after_prepare(monkeypatch):
     accelerator = type("A", (), {"deepspeed_engine_wrapped": type("W", (), {"engine": Engine()})(),
                                  "mixed_precision": "bf16", "gradient_accumulation_steps": 2})()
     cfg = Config(gradient_accumulation_steps=2, per_device_train_batch_size=8, max_grad_norm=1.0)
-    strategy.check_engine(accelerator, cfg, None)
+    setup.check_engine(accelerator, cfg, None)
     monkeypatch.setenv("ACCELERATE_GRADIENT_CLIPPING", "1.0")
     with pytest.raises(RecipeError, match="gradient_clipping 1.0 from the environment variable "
                                           "ACCELERATE_GRADIENT_CLIPPING, but --max_grad_norm 0.5"):
-        strategy.check_engine(accelerator, replace(cfg, max_grad_norm=0.5), None)
+        setup.check_engine(accelerator, replace(cfg, max_grad_norm=0.5), None)
     accelerator.mixed_precision = "no"
     with pytest.raises(RecipeError, match="engine computes in bf16, but the Accelerator reports no"):
-        strategy.check_engine(accelerator, cfg, None)
+        setup.check_engine(accelerator, cfg, None)
 
 
 def test_launch_request_reads_the_launch_and_warns_only_when_not_honoured():

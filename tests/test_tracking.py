@@ -201,10 +201,10 @@ def test_unreachable_hub_is_one_line(monkeypatch):
 
 def test_main_stops_before_any_work(tmp_path, monkeypatch):
     """The recipe's own main(): the tracker check comes before the model, the data and the output folder."""
-    from recipes.checkpoints import longrun
+    from recipes.checkpoints import preemption
     from recipes.model import source
 
-    monkeypatch.setattr(longrun, "install_signal_handlers", lambda: None)  # not in pytest's own process
+    monkeypatch.setattr(preemption, "install_signal_handlers", lambda: None)  # not in pytest's own process
     monkeypatch.setattr(source, "check_model_source", lambda cfg: pytest.fail("reached the model source"))
     out = tmp_path / "run"
     with pytest.raises(RecipeError, match="unknown --report_to 'wandbb'"):

@@ -6,7 +6,7 @@ samples consumed in the epoch, the batch layout (per-device batch, world size, a
 and its length grouping (the resumed epoch keeps that order, whatever this run's --group_by_length). The file
 `checkpoints/latest` names the newest complete one; --save_total_limit removes older ones once a new one is complete
 (rotate_checkpoints); a preempted run leaves `checkpoints/PREEMPTED` beside them. Resuming on another world size is
-in elastic.py; the decisions of a long run (preemption, best model, early stopping) in longrun.py.
+in elastic.py; preemption in preemption.py; the best model and early stopping in best_model.py.
 """
 from __future__ import annotations
 
@@ -14,40 +14,70 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from recipes import RecipeError
+from recipes import RecipeError, hooks
 from recipes.checkpoints import elastic
 from recipes.model import adapters, compilation
 
+STATE_FILE = elastic.STATE_FILE  # beside Accelerate's files in every checkpoint
 PREEMPTED_MARKER = "PREEMPTED"  # checkpoints/PREEMPTED names the checkpoint a preempted run wrote; a resume removes it
 STEP_NAME = re.compile(r"step_(\d+)")
 
 
 @dataclass
-class ResumePoint:
-    """Where training (re)starts: optimizer steps done, and the epoch and sample position the data continues from."""
+class TrainerState:
+    """A checkpoint's own state beside Accelerate's (model, optimizer, scheduler, RNGs): its trainer_state.json,
+    written by `write` and read by `read`, nowhere else."""
 
-    step: int = 0
-    epoch: int = 0
-    samples_in_epoch: int = 0  # samples of `epoch` the checkpoint had consumed (on all ranks together)
-    path: Optional[Path] = None  # the checkpoint folder; None for a fresh start
-    saved_world: int = 1  # the number of processes that wrote it
-    length_group: int = 0  # its --group_by_length group (global batch) that ordered the epoch; 0: a plain permutation
-    skipped_steps: int = 0  # optimizer steps skipped on fp16 overflow before the checkpoint (their windows count)
-    cuda_devices: Optional[list] = None  # the local CUDA device index of each saving rank; None: not recorded
-    global_batch: int = 0  # samples per optimizer step of the run that wrote it
-    micro_batch: int = 0  # its --per_device_train_batch_size (--auto_micro_batch keeps it: training/micro_batch.py)
-    long_run: Optional[dict] = None  # its best-so-far and patience count (longrun.LongRun.state)
+    step: int = 0  # optimizer steps done
+    epoch: int = 0  # the epoch the data continue in ...
+    samples_in_epoch: int = 0  # ... after these samples of it (on all ranks together)
+    world_size: int = 1  # the batch layout it was written with: processes, ...
+    gradient_accumulation_steps: int = 1  # ... accumulation ...
+    per_device_train_batch_size: int = 0  # ... and micro-batch (--auto_micro_batch keeps it: training/micro_batch.py)
+    seed: Optional[int] = None  # its --seed, which ordered the epoch in progress
+    length_group: int = 0  # its --group_by_length group (global batch) that ordered the epoch; 0: a permutation
+    skipped_steps: int = 0  # optimizer steps skipped on fp16 overflow before it (their windows count)
+    long_run: Optional[dict] = None  # the best-so-far and patience count (best_model.BestModel.state)
     eval_pending: bool = False  # written on a preemption before the evaluation due at its step: run that first
-    contract: Optional[dict] = None  # the training it is part of (contract.py); None: written before them
     finished: bool = False  # written at the end of training (the last step, or an early stop)
+    contract: Optional[dict] = None  # the training it is part of (contract.py); None: written before contracts
+    cuda_devices: Optional[list] = None  # each saving rank's local CUDA device index (agree_saved); None: CPU or older
+
+    @property
+    def layout(self) -> dict:
+        return {"per_device_train_batch_size": self.per_device_train_batch_size,
+                "gradient_accumulation_steps": self.gradient_accumulation_steps, "world_size": self.world_size}
+
+    @property
+    def global_batch(self) -> int:
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
+
+    def write(self, folder: Path) -> None:
+        (folder / STATE_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def read(cls, folder: Path) -> "TrainerState":
+        """The state in `folder`; a field an older checkpoint lacks takes its default."""
+        try:
+            saved = json.loads((folder / STATE_FILE).read_text())
+            return cls(**{f.name: saved[f.name] for f in fields(cls) if f.name in saved})
+        except (OSError, ValueError, TypeError) as err:
+            raise RecipeError(f"checkpoint {folder} has no readable {STATE_FILE}: {err}") from None
+
+
+@dataclass
+class ResumePoint(TrainerState):
+    """Where training (re)starts: the state of the checkpoint at `path` (None, with the defaults: a fresh start) and
+    what this run changes from it."""
+
+    path: Optional[Path] = None
     changes: list = field(default_factory=list)  # contract.Change applied from this checkpoint on (--force_resume)
-    seed: Optional[int] = None  # its --seed, which ordered the epoch in progress; None: a fresh start
     best_restarts: bool = False  # an applied change of the evaluation: best/ and the patience count start again
 
 
@@ -91,7 +121,7 @@ def check_shared_output_dir(accelerator, out: Path) -> None:
 
 def checkpoint_due(every: str | None, step: int, end_of_epoch: bool, last: bool = False) -> bool:
     """Whether step `step` is saved: every N steps, or at each epoch's end, and always the last step of the run, so
-    that a relaunch of the finished run knows it is finished (longrun.finished_before)."""
+    that a relaunch of the finished run knows it is finished (best_model.finished_before)."""
     if not every:
         return False
     if every == "epoch":
@@ -99,7 +129,7 @@ def checkpoint_due(every: str | None, step: int, end_of_epoch: bool, last: bool 
     return step % int(every) == 0 or last
 
 
-def save_checkpoint(accelerator, out: Path, state: dict, probe, keep: Optional[int] = None) -> Path:
+def save_checkpoint(accelerator, out: Path, state: TrainerState, keep: Optional[int] = None) -> Path:
     """Save everything resume needs, atomically: a complete checkpoint or none; then keep the newest `keep`.
 
     Every rank writes into checkpoints/step_N.tmp (DeepSpeed and FSDP save shards from every rank, and each rank its
@@ -110,7 +140,7 @@ def save_checkpoint(accelerator, out: Path, state: dict, probe, keep: Optional[i
     the new one is complete (rotate_checkpoints), unlike Accelerate's own `total_limit`, which removes first.
     """
     root = out / "checkpoints"
-    name = f"step_{state['step']}"
+    name = f"step_{state.step}"
     tmp = root / f"{name}.tmp"
     error = None
     if accelerator.is_main_process:
@@ -122,13 +152,13 @@ def save_checkpoint(accelerator, out: Path, state: dict, probe, keep: Optional[i
     agree_saved(accelerator, name, error)
     try:
         accelerator.save_state(str(tmp))
-        probe.saved(state["step"])
+        hooks.reached("saved", state.step)
     except Exception as err:  # noqa: BLE001 - any rank's failure, reported by every rank below
         error = err
     devices = agree_saved(accelerator, name, error, torch.cuda.current_device() if torch.cuda.is_available() else None)
     if accelerator.is_main_process:
         try:
-            (tmp / "trainer_state.json").write_text(json.dumps({**state, "cuda_devices": devices}, indent=2) + "\n")
+            replace(state, cuda_devices=devices).write(tmp)
             if (out / "best").is_dir():  # the best as of this step, for a resume from here (restore_best)
                 link_tree(out / "best", tmp / "best")
             shutil.rmtree(root / f"{name}.universal", ignore_errors=True)  # converted from the step_N it replaces
@@ -186,7 +216,7 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     if not root.is_dir():
         return []
     return sorted((int(m.group(1)), p) for p in root.iterdir()
-                  if p.is_dir() and (m := STEP_NAME.fullmatch(p.name)) and (p / "trainer_state.json").is_file())
+                  if p.is_dir() and (m := STEP_NAME.fullmatch(p.name)) and (p / STATE_FILE).is_file())
 
 
 def newest_checkpoint(root: Path) -> Optional[Path]:
@@ -262,23 +292,17 @@ def find_checkpoint(cfg, world_size: int) -> ResumePoint:
                               + (f"continue it with {resume}, or " if resume else "")
                               + "replace it with --overwrite_output_dir, or choose another --output_dir")
         return ResumePoint()
-    try:
-        state = json.loads((path / "trainer_state.json").read_text())
-    except (OSError, ValueError) as err:
-        raise RecipeError(f"checkpoint {path} has no readable trainer_state.json: {err}") from None
-    if "contract" not in state:  # written before contracts: its seed and batch layout are what it can be held to
+    state = TrainerState.read(path)
+    if state.contract is None:  # written before contracts: its seed and batch layout are what it can be held to
         now = {"world_size": world_size, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
                "per_device_train_batch_size": cfg.per_device_train_batch_size, "seed": cfg.seed}
-        elastic.check_batch_layout(path, state, now, cfg.force_resume)
-    for rank in range(min(world_size, state["world_size"])):  # ranks that exist now and existed then
+        elastic.check_batch_layout(path, {**state.layout, "seed": state.seed,
+                                          "samples_in_epoch": state.samples_in_epoch, "epoch": state.epoch},
+                                   now, cfg.force_resume)
+    for rank in range(min(world_size, state.world_size)):  # ranks that exist now and existed then
         if not (path / f"random_states_{rank}.pkl").is_file():
             raise RecipeError(f"checkpoint {path} has no RNG state for rank {rank} (random_states_{rank}.pkl)")
-    return ResumePoint(step=state["step"], epoch=state["epoch"], samples_in_epoch=state["samples_in_epoch"],
-                       path=path, saved_world=state["world_size"], length_group=state.get("length_group", 0),
-                       skipped_steps=state.get("skipped_steps", 0), cuda_devices=state.get("cuda_devices"),
-                       global_batch=elastic.global_batch(state), micro_batch=state["per_device_train_batch_size"],
-                       long_run=state.get("long_run"), eval_pending=state.get("eval_pending", False),
-                       contract=state.get("contract"), finished=state.get("finished", False), seed=state.get("seed"))
+    return ResumePoint(**asdict(state), path=path)
 
 
 def load_checkpoint(accelerator, optimizer, scheduler, start: ResumePoint, seed: int) -> None:
@@ -309,7 +333,7 @@ def restore(accelerator, optimizer, scheduler, start: ResumePoint, seed: int) ->
     accelerator.load_state(str(start.path))
     elastic.after_load(accelerator, optimizer, start)
     schedule_stepping_groups(optimizer, scheduler)
-    if rank >= start.saved_world:
+    if rank >= start.world_size:
         elastic.seed_new_rank(seed, rank, start.step)
         return
     saved = load(start.path / f"random_states_{rank}.pkl")

@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Optional
 
 from recipes import RecipeError
@@ -278,12 +277,12 @@ class Contract:
            ) -> "Contract":
         """This run's contract (after the data are prepared: problem_type is resolved then). `eval_sets`: the
         tokenized evaluation sets by name; `launch`: launch_identity of the Accelerator."""
-        from recipes.checkpoints import longrun
+        from recipes.checkpoints import best_model
         from recipes.model import source
 
         loading = source.loading_kwargs(cfg)
         flags = {name: getattr(cfg, name) for name in COMPARED}
-        flags["metric_for_best_model"] = longrun.best_metric(cfg)
+        flags["metric_for_best_model"] = best_model.best_metric(cfg)
         tokenizer = cfg.tokenizer_name or cfg.model_name_or_path
         return cls(flags=flags, model=folder_identity(cfg.model_name_or_path, is_model_file, loading),
                    tokenizer=folder_identity(tokenizer, lambda p: p.name in TOKENIZER_FILES, loading),

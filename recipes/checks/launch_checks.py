@@ -177,7 +177,7 @@ EXPORTED_KEYS = {"gradient_accumulation_steps": "gradient_accumulation_steps", "
 
 def inline_deepspeed_problems(section: dict, recipe: dict) -> list[str]:
     """A YAML's own deepspeed_config values (what `accelerate config` writes for DeepSpeed without a JSON file)
-    that differ from the recipe's flags: the run would use them instead (recipes/training/strategy.py
+    that differ from the recipe's flags: the run would use them instead (recipes/training/accelerator.py
     check_agreement)."""
     problems = []
     for key, flag in EXPORTED_KEYS.items():

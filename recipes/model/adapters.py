@@ -17,7 +17,6 @@ that adapter, which a plain `from_pretrained` and `pipeline()` load.
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 from pathlib import Path
 

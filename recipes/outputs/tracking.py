@@ -29,7 +29,7 @@ TRACKERS = tuple(LOGGER_TYPE_TO_CLASS)
 PACKAGES = {"mlflow": "mlflow-skinny, or pip install -e .[trackers] in this repository", "comet_ml": "comet-ml"}
 REDACTED = records.REDACTED
 # The metrics of an evaluation record (eval.jsonl also holds the best-model bookkeeping of
-# recipes/checkpoints/longrun.py).
+# recipes/checkpoints/best_model.py).
 METRICS = {*(m for scores in AVAILABLE.values() for m in scores), "loss"}
 # The flags the model card lists as hyperparameters (the rest are in run_config.json).
 HYPERPARAMETERS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay",

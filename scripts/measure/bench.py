@@ -79,7 +79,7 @@ from typing import Optional
 from recipes.checks.launch_checks import visible_gpus
 from recipes.outputs.records import library_versions, read_jsonl
 from recipes.testing.probe import COMM_VARIABLE
-from recipes.training.strategy import available_cores
+from recipes.training.accelerator import available_cores
 from scripts import memory_model
 from scripts.measure import bench_load, processes
 from scripts.measure.bench_report import (BENCH_PAGE, MIB, epoch_figures, mib, ratio_lines, ratios, rerender,
@@ -417,7 +417,7 @@ def collect_comm(run: Run, records: list, shape: memory_model.ModelShape) -> Non
 
 
 # Dense peak FLOP/s per GPU from the vendors' data sheets (bf16 tensor core without sparsity; fp32 is TF32 tensor
-# core, which the recipe's fp32 runs use on GPUs, recipes/training/strategy.py use_tf32_matmuls).
+# core, which the recipe's fp32 runs use on GPUs, recipes/training/accelerator.py use_tf32_matmuls).
 GPU_PEAK_FLOPS = {  # name fragment: (bf16, fp32)
     "H200": (989e12, 494e12), "H100 PCIe": (756e12, 378e12), "H100": (989e12, 494e12), "A100": (312e12, 156e12),
     "A10G": (70e12, 35e12), "L40S": (362e12, 183e12), "L4": (121e12, 60e12), "A6000": (155e12, 77e12),

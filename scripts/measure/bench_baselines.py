@@ -18,7 +18,7 @@ with its own sampler, which with the same seed happens to deal the same batches;
 --block optimizer steps (Baton), --rounds epochs each, and alternate.json gets the seconds of each block of steps of
 each: separate processes on a shared VM differ in speed by up to 40% for the same work, and even one process's epoch
 time drifts by 50% over minutes, so only sides that share the process, the batches and the same few seconds compare.
-The recipe takes its turns through `Probe.step_hook` (recipes/testing/probe.py), the loop and Trainer through `on_step`.
+The recipe takes its turns at its "step" hook point (recipes/hooks.py), the loop and Trainer through `on_step`.
 Trainer logs every step to TensorBoard, as the recipe does. The threads share the global RNG, so dropout draws differ
 from a run alone; the batches must not (alternate.json `same_batches` compares their padded sizes step by step).
 """
@@ -41,7 +41,7 @@ from recipes.cls import Config, build_model, param_groups
 from recipes.inputs import data
 from recipes.model import kernels, memstats, source
 from recipes.outputs import records
-from recipes.training import schedule, strategy
+from recipes.training import accelerator as setup, schedule
 from scripts.measure import bench_load
 from scripts.measure.bench_report import round_order
 
@@ -256,8 +256,8 @@ class Baton:
 def alternate(args, cfg, device, train_ds, eval_ds, collate, names) -> None:
     """The recipe, the loop and Trainer in three threads of this process, taking turns every --block steps, for
     --rounds epochs each; alternate.json: the seconds of each block of steps of each."""
+    from recipes import hooks
     from recipes.cls import main as recipe_main, parse_config
-    from recipes.testing.probe import Probe
 
     out = Path(args.output_dir)
     # The recipe's Accelerator takes its precision from the variable `accelerate launch` would set; without it the
@@ -278,11 +278,11 @@ def alternate(args, cfg, device, train_ds, eval_ds, collate, names) -> None:
         run_dir = out / f"recipe_r{r}"
 
         def recipe():
-            Probe.step_hook = lambda step: baton.step("recipe", step)
+            forget = hooks.observe("step", lambda step: baton.step("recipe", step))
             try:
                 recipe_main(parse_config([*recipe_flags, "--output_dir", str(run_dir)]))
             finally:
-                Probe.step_hook = None
+                forget()
             tokens["recipe"] = [m["padded_tokens"] for m in records.read_jsonl(run_dir / "metrics.jsonl")]
 
         def baseline(name, run):
@@ -327,12 +327,12 @@ def mixed_precision(precision: str) -> str:
 
 def select_device(precision: str, tf32: bool) -> torch.device:
     """The one device a baseline computes on, with the recipe's matmul precision: fp32 on a GPU uses TF32 tensor
-    cores in the recipe (recipes/training/strategy.py use_tf32_matmuls), so here too, or the comparison is of other
+    cores in the recipe (recipes/training/accelerator.py use_tf32_matmuls), so here too, or the comparison is of other
     math. Several visible GPUs are refused: Trainer would wrap the model in nn.DataParallel and multiply the batch."""
     if torch.cuda.device_count() > 1:
         sys.exit("error: the baselines run on one GPU: set CUDA_VISIBLE_DEVICES to one device (make bench does)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    strategy.use_tf32_matmuls(device.type, mixed_precision(precision), tf32)
+    setup.use_tf32_matmuls(device.type, mixed_precision(precision), tf32)
     return device
 
 

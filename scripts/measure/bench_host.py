@@ -24,7 +24,7 @@ from accelerate.utils import is_lomo_available
 from tqdm.auto import tqdm
 
 from recipes.outputs import records
-from recipes.training import strategy
+from recipes.training import optimizer_step
 
 
 def pieces(number: int = 2000, repeat: int = 7, folder: Path | None = None) -> dict:
@@ -82,8 +82,8 @@ def pieces(number: int = 2000, repeat: int = 7, folder: Path | None = None) -> d
         "AcceleratedScheduler step + get_last_lr, over the scheduler's": (
             per_call(lambda: (p_scheduler.get_last_lr(), p_scheduler.step()))
             - per_call(lambda: (scheduler.get_last_lr(), scheduler.step()))),
-        "strategy.clip_gradients, over clip_grad_norm_": (
-            per_call(lambda: strategy.clip_gradients(accelerator, p_model, 1.0))
+        "optimizer_step.clip_gradients, over clip_grad_norm_": (
+            per_call(lambda: optimizer_step.clip_gradients(accelerator, p_model, 1.0))
             - per_call(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))),
     }
     accelerator.end_training()
