@@ -172,8 +172,11 @@ def test_cli(capsys, tiny_model):
 def test_help_says_what_each_negated_flag_does(capsys):
     """The checker takes the recipe's flags with the recipe's help: each --no_X says it turns X off, never X's own
     description (which read backwards: --no_tf32 "fp32 runs use TF32")."""
-    from recipes.config import NEGATED_HELP
+    from dataclasses import fields
 
+    from recipes.config import Config
+
+    NEGATED_HELP = {f.name: f.metadata["negated"] for f in fields(Config) if f.metadata.get("negated")}
     with pytest.raises(SystemExit) as stop:
         check_config.main(["--help"])
     assert stop.value.code == 0

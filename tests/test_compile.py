@@ -16,11 +16,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from transformers import HfArgumentParser
 
 from helpers import fp32_launch_args, losses, no_gpu, read_jsonl, run_recipe
 from recipes import RecipeError
-from recipes.config import Config, parse_config
+from recipes.config import build_parser, parse_config
 
 LOSS_RTOL = 1e-4
 STEPS = ["--max_train_steps", "8", "--logging_steps", "1", "--report_to", "none"]
@@ -152,7 +151,7 @@ def test_fsdp_whole_model_compile_is_refused(tiny_model, monkeypatch):
 
 
 def test_flags_are_in_help():
-    text = HfArgumentParser(Config).format_help()
+    text = build_parser().format_help()
     assert all(f"--{name}" in text for name in ("torch_compile", "torch_compile_mode", "compile_regions",
                                                 "torch_compile_rng"))
 

@@ -170,9 +170,9 @@ def test_resume_keeps_the_split_only_for_the_same_world_and_global_batch():
 
 
 def test_flag_in_help_and_bad_combinations_refused(tiny_model, tmp_path):
-    from transformers import HfArgumentParser
+    from recipes.config import build_parser
 
-    assert "--auto_micro_batch" in HfArgumentParser(Config).format_help()
+    assert "--auto_micro_batch" in build_parser().format_help()
     with pytest.raises(RecipeError, match="--auto_micro_batch .* not with --do_train false"):
         parse_config(["--auto_micro_batch", "--do_train", "false", "--predict_file", __file__])
     proc = run_recipe(tmp_path, "--auto_micro_batch", "--data_parallel", config=None, check=False)

@@ -245,12 +245,18 @@ def test_a_replaced_checkpoint_takes_its_conversion_along_and_a_stale_one_is_red
 
 # --- the contract, in process, over every Config field ---------------------------------------------------------
 
-def test_every_config_field_is_compared_or_exempt_with_a_reason():
-    names = {f.name for f in fields(Config)}
-    classified = [*contract.REFUSED, *contract.APPLIED, *contract.EXEMPT]
-    assert sorted(classified) == sorted(names), "classify the new Config field in recipes/checkpoints/contract.py"
-    assert all(isinstance(why, str) and why for why in (*contract.REFUSED.values(), *contract.APPLIED.values(),
-                                                         *contract.EXEMPT.values()))
+def test_every_config_field_has_a_rule_on_resume_beside_it():
+    """config.py's `flag` gives each field its Rule; a field declared without one (a bare dataclasses.field, or a
+    rule of another kind) fails here, so a flag added later must be classified where it is declared."""
+    from dataclasses import field as bare_field, make_dataclass
+
+    for f in fields(Config):
+        rule = f.metadata.get("resume")
+        assert isinstance(rule, contract.Rule) and rule.kind in ("refused", "applied", "exempt") and rule.why, f.name
+    unruled = make_dataclass("Later", [("new_flag", int, bare_field(default=0, metadata={"help": "x"}))],
+                             bases=(Config,))
+    with pytest.raises(KeyError, match="resume"):
+        contract.rules(unruled)
 
 
 # A valid other value for the fields whose value Contract.of reads beyond comparing it.
@@ -295,12 +301,12 @@ def test_each_compared_field_is_found_refused_or_applied_and_no_exempt_one_is(ti
         changed = replace(cfg, **{f.name: other_value(f.name, getattr(cfg, f.name), tiny_copy, data_copy)})
         now = contract.Contract.of(changed, train, world=2)
         found = [c.name for c in now.differences(saved)]
-        if f.name in contract.EXEMPT:  # the split of the global batch changes the global batch
+        if contract.rules(Config)[f.name].kind == "exempt":  # the split of the global batch changes the global batch
             assert found == (["global_batch"] if f.name in SPLIT else []), f.name
             continue
         # another problem type (or task) also picks the best model by another default metric
         assert found[0] == f.name and set(found) <= {f.name, "metric_for_best_model"}, f.name
-        if f.name in contract.REFUSED:  # said alike with or without --force_resume: forcing would not help
+        if contract.rules(Config)[f.name].kind == "refused":  # said alike with or without --force_resume
             for force in (False, True):
                 with pytest.raises(RecipeError, match=f"--force_resume cannot apply --{f.name} "):
                     now.settle(start, force=force)

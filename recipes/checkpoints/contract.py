@@ -1,23 +1,23 @@
 """The training contract: what a checkpoint binds the run that resumes it to.
 
-A checkpoint records what training it is part of: every `Config` field that decides what is trained (COMPARED), the
-global batch, and the identity of the model, the tokenizer and the training data as hashes of what they are, not of
-where they are (a restart on another node mounts the same files elsewhere). A resume compares this run's contract
-with the checkpoint's. Any difference stops the run in one line that lists each one with both values, unless
---force_resume is given; then each difference is applied for real (APPLIED says how) or, if it cannot be, refused
-(REFUSED says why), and run_config.json records each change and the step it took effect at. Every other field is
-EXEMPT, with its reason; tests/test_no_silent_change.py fails when a field is in none of the three, so a flag added
-later must be classified.
+A checkpoint records what training it is part of: every flag that decides what is trained, the global batch, the
+identity of the model, the tokenizer, the training and evaluation data (hashes of what they are, not of where they
+are: a restart on another node mounts the same files elsewhere), and the launch (strategy, precision, DeepSpeed's and
+FSDP's settings). A resume compares this run's contract with the checkpoint's. Any difference stops the run in one
+line that lists each one with both values, unless --force_resume is given; then each difference is applied for real
+or, if it cannot be, refused, and run_config.json records each change and the step it took effect at. Each flag's
+rule sits beside the flag in recipes/config.py (`Rule`: refused, applied or exempt, with its reason); a flag without
+one fails tests/test_no_silent_change.py.
 
 The global batch's split into processes, micro-batch and accumulation may change at the same global batch (the
-elastic resume: recipes/checkpoints/elastic.py), so those fields are exempt and the product is compared.
+elastic resume: recipes/checkpoints/elastic.py), so those flags are exempt and the product is compared.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
 from recipes import RecipeError
@@ -33,86 +33,39 @@ OPTIMIZER = ("the rates, decay and schedule from the checkpoint's step (each ste
              "rebuilt schedule's factor there), and the run's length")
 EVERY_STEP = "every later step's clipping, loss or matmul precision"
 EVALUATIONS = "later evaluations; best/ and the patience count restart (they compared other evaluations)"
-# Changed on resume: refused even with --force_resume, since the checkpoint's training could not go on with them.
-REFUSED = {
-    "random_init": "the run's start: the checkpoint's weights grew from the other start",
-    **dict.fromkeys(("task_name", "dataset_name", "dataset_config_name", "max_train_samples", "validation_split",
-                     "validation_split_name", "text_column", "text_pair_column", "truncation", "max_length",
-                     "label_column"), OTHER_DATA),
-    "problem_type": "another loss and head",
-    "metric_for_best_model": "best/ and the patience count were kept by the checkpoint's metric",
-    **dict.fromkeys(("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"), OTHER_ADAPTERS),
-    "torch_dtype": "the master weights' and optimizer state's dtype: the checkpoint's state was kept in the other",
-}
-# Changed on resume with --force_resume: applied from the resumed step on, as said here.
-APPLIED = {
-    **dict.fromkeys(("seed", "group_by_length"), ORDER),
-    **dict.fromkeys(("learning_rate", "weight_decay", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps",
-                     "warmup_ratio", "num_train_epochs", "max_train_steps"), OPTIMIZER),
-    **dict.fromkeys(("max_grad_norm", "class_weights", "label_smoothing_factor", "tf32"), EVERY_STEP),
-    "early_stopping_patience": "the patience of later evaluations",
-    "load_best_model_at_end": "what final/ holds",
-    **dict.fromkeys(("eval_steps", "multi_label_threshold"), EVALUATIONS),
-}
-# Applied changes after which the best value and the patience count start again: the evaluations before the resume
-# scored something else than the ones after it.
-RESTARTS_BEST = ("eval_steps", "multi_label_threshold", "evaluation")
-# Applied changes of the sample order: the epoch in progress at the checkpoint keeps the checkpoint's order.
-ORDER_FLAGS = ("seed", "group_by_length")
-# Not compared: why a change of it does not change what is trained (or is compared another way).
-EXEMPT = {
-    "model_name_or_path": "a location: the model is compared by the hash of its files",
-    "tokenizer_name": "a location: the tokenizer is compared by the hash of its files",
-    "revision": "a location on the Hub: the model is compared by its resolved files or commit",
-    "cache_dir": "where downloads are kept",
-    "eval_report": "what is written after training, not what is trained",
-    "calibrate": "applied to final/ after training, not to what is trained",
-    "trust_remote_code": "a permission: the code it allows is among the model's hashed files",
-    "ignore_mismatched_sizes": "start-up loading only: a resumed run's weights come from the checkpoint",
-    "train_file": "a location: the training data are compared by fingerprint (rows, token ids, labels)",
-    "validation_file": "a location: the evaluation set is compared by fingerprint (rows, token ids, labels)",
-    "test_split_name": "predictions after training",
-    "predict_file": "predictions after training",
-    "do_predict": "predictions after training",
-    "do_train": "a resume always trains (flag_checks)",
-    "do_eval": "evaluation",
-    "metric_name": "evaluation",
-    "max_eval_samples": "the evaluation set is compared by fingerprint",
-    "per_device_eval_batch_size": "the batching of the same evaluation",
-    "output_dir": "output",
-    "overwrite_output_dir": "output",
-    "per_device_train_batch_size": "the split of the global batch, which is compared",
-    "gradient_accumulation_steps": "the split of the global batch, which is compared",
-    "auto_micro_batch": "the split of the global batch, which is compared",
-    "data_parallel": "the split of the global batch over devices",
-    "optim": "the same AdamW update by another kernel (kernels.apply_after_load applies the flag's)",
-    "attn_implementation": "the same attention by another kernel",
-    "sdpa_cudnn": "the same attention by another kernel",
-    "pad_to_max_length": "padding: the same sums over the real tokens",
-    "pad_to_multiple_of": "padding: the same sums over the real tokens",
-    "padding_free": "padding: the same sums over the real tokens",
-    "gradient_checkpointing": "the same gradients, recomputed",
-    "torch_compile": "the same model, compiled",
-    "torch_compile_mode": "the same model, compiled",
-    "compile_regions": "the same model, compiled",
-    "torch_compile_rng": "dropout masks from another generator, of the same distribution",
-    "ddp_find_unused_parameters": "the same gradients",
-    "checkpointing_steps": "checkpointing",
-    "resume_from_checkpoint": "checkpointing",
-    "save_total_limit": "checkpointing",
-    "force_resume": "checkpointing",
-    "record_ranks": "test records",
-    "profile_steps": "profiling",
-    "logging_steps": "logging",
-    "ddp_timeout": "collective time-out",
-    "cpu_threads": "threads",
-    "report_to": "trackers",
-    "push_to_hub": "upload",
-    "hub_model_id": "upload",
-    "hub_private_repo": "upload",
-    "hub_token": "upload",
-}
-COMPARED = {**REFUSED, **APPLIED}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a resume does when a flag differs from its checkpoint's: refused even with --force_resume, applied with
+    it (from the checkpoint's step, as `why` says), or exempt (not compared: why not). Every Config field has one,
+    beside the flag in recipes/config.py."""
+
+    kind: str  # "refused" | "applied" | "exempt"
+    why: str
+
+
+def refused(why: str) -> Rule:
+    return Rule("refused", why)
+
+
+def applied(why: str) -> Rule:
+    return Rule("applied", why)
+
+
+def exempt(why: str) -> Rule:
+    return Rule("exempt", why)
+
+
+def rules(config) -> dict[str, Rule]:
+    """Each flag's Rule, read from the config dataclass (or an instance of it)."""
+    return {f.name: f.metadata["resume"] for f in fields(config)}
+
+
+def compared(config) -> dict[str, Rule]:
+    return {name: rule for name, rule in rules(config).items() if rule.kind != "exempt"}
+
+
 # What resuming with a change of the derived entries means (not flags).
 DERIVED = {"model": "other model weights or config", "tokenizer": "another tokenizer", "data": "other training data"}
 # The evaluation sets' fingerprints: applied with --force_resume, restarting best/ and the patience count.
@@ -235,6 +188,7 @@ class Change:
     before: object
     after: object
     refused: Optional[str] = None  # why it cannot be applied; None: applied with --force_resume
+    is_flag: bool = False  # a flag's change (--name), not a derived entry's
 
     def describe(self) -> str:
         if self.name == EVALUATION:  # before/after: {set name: {rows, sha256}}
@@ -249,7 +203,7 @@ class Change:
             return (f"global batch {elastic.describe_layout(self.before)} -> {elastic.describe_layout(self.after)} "
                     f"(to keep {elastic.global_batch(self.before)} samples per step: --gradient_accumulation_steps "
                     f"{elastic.ideal_accumulation(self.before, self.after)})")
-        flag = f"--{self.name}" if self.name in COMPARED else self.name if self.name.startswith("launch ") \
+        flag = f"--{self.name}" if self.is_flag else self.name if self.name.startswith("launch ") \
             else self.name.replace("_", " ")
         return f"{flag} {short(self.before)} -> {short(self.after)}"
 
@@ -263,7 +217,7 @@ def short(value) -> str:
 
 @dataclass
 class Contract:
-    flags: dict  # COMPARED field: value
+    flags: dict  # each compared flag: its value
     layout: dict  # the global batch's split: per_device_train_batch_size, gradient_accumulation_steps, world_size
     model: dict
     tokenizer: dict
@@ -271,6 +225,7 @@ class Contract:
     evaluation: dict = field(default_factory=dict)  # the evaluation sets' fingerprints, by name
     launch: dict = field(default_factory=dict)  # launch_identity
     changes: list = field(default_factory=list)  # [{name, before, after, step}]: applied changes, oldest first
+    rules: dict = field(default_factory=dict, repr=False)  # each compared flag's Rule (not recorded: config.py's)
 
     @classmethod
     def of(cls, cfg, train_ds, world: int, launch: Optional[dict] = None, eval_sets: Optional[dict] = None
@@ -281,24 +236,25 @@ class Contract:
         from recipes.model import source
 
         loading = source.loading_kwargs(cfg)
-        flags = {name: getattr(cfg, name) for name in COMPARED}
+        flags = {name: getattr(cfg, name) for name in compared(cfg)}
         flags["metric_for_best_model"] = best_model.best_metric(cfg)
         tokenizer = cfg.tokenizer_name or cfg.model_name_or_path
         return cls(flags=flags, model=folder_identity(cfg.model_name_or_path, is_model_file, loading),
                    tokenizer=folder_identity(tokenizer, lambda p: p.name in TOKENIZER_FILES, loading),
                    data=data_identity(train_ds),
                    evaluation={name: data_identity(ds) for name, ds in (eval_sets or {}).items()},
-                   launch=launch or {},
+                   launch=launch or {}, rules=compared(cfg),
                    layout={"per_device_train_batch_size": cfg.per_device_train_batch_size,
                            "gradient_accumulation_steps": cfg.gradient_accumulation_steps, "world_size": world})
 
     def record(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "rules"}
 
     def differences(self, saved: dict) -> list[Change]:
         """This run's differences from a checkpoint's recorded contract, flags first. A checkpoint written before
         the evaluation sets or the launch were recorded is not compared on them."""
-        changes = [Change(name, saved["flags"].get(name), value, REFUSED.get(name))
+        changes = [Change(name, saved["flags"].get(name), value, self.rules[name].why
+                          if self.rules[name].kind == "refused" else None, is_flag=True)
                    for name, value in self.flags.items() if saved["flags"].get(name) != value]
         from recipes.checkpoints.elastic import global_batch
 
@@ -316,6 +272,12 @@ class Contract:
         if saved.get("launch") and self.launch:
             changes += launch_changes(saved["launch"], self.launch)
         return changes
+
+    @property
+    def restarts_best(self) -> set[str]:
+        """Applied changes after which best/ and the patience count start again: the evaluations before the
+        resume scored something else than the ones after it."""
+        return {name for name, rule in self.rules.items() if rule.why == EVALUATIONS} | {EVALUATION}
 
     def settle(self, start, force: bool):
         """Compare with the checkpoint `start` resumes; a RecipeError for what may not change, else `start` with
@@ -341,14 +303,14 @@ class Contract:
                               f"{'; '.join(c.describe() for c in changes)}. Resume with the same flags and files, or "
                               f"pass --force_resume to apply the changes from step {start.step} on")
         epoch = start.epoch + 1 if start.samples_in_epoch else start.epoch  # the first epoch a new order orders
-        notes = {name: f"from epoch {epoch}" for name in ORDER_FLAGS}
-        notes.update({name: "best/ and patience restart" for name in RESTARTS_BEST})
+        notes = {name: f"from epoch {epoch}" for name, rule in self.rules.items() if rule.why == ORDER}
+        notes.update({name: "best/ and patience restart" for name in self.restarts_best})
         self.changes += [{"name": c.name, "before": c.before, "after": c.after, "step": start.step,
                           **({"note": notes[c.name]} if c.name in notes else {})} for c in changes]
         if os.environ.get("RANK", "0") == "0":
             print(f"--force_resume: from step {start.step} on, " + "; ".join(
                 c.describe() + (f" ({notes[c.name]})" if c.name in notes else "") for c in changes))
-        restarts = any(c.name in RESTARTS_BEST for c in changes)
+        restarts = any(c.name in self.restarts_best for c in changes)
         return type(start)(**{**vars(start), "changes": changes, "best_restarts": restarts})
 
 
@@ -382,21 +344,23 @@ LAUNCH_SHOWN = {"strategy": "launch strategy (one process / DDP / nn.DataParalle
                 "fsdp": f"launch fsdp.*: {', '.join(k for k in FSDP_COMPARED if 'fsdp.' + k not in LAUNCH_APPLIED)}"}
 
 
-def markdown_table() -> str:
+def markdown_table(config) -> str:
     """The whole contract as docs/checkpoints.md shows it (tests/test_docs.py holds the page to it): each compared
-    entry, what a change of it does, grouped where the reason is the same."""
+    flag of `config` (the Config dataclass) and each derived entry, what a change of it does, grouped where the
+    reason is the same."""
     def rows(table: dict, verdict: str, name=lambda n: f"`--{n}`") -> list[str]:
         grouped: dict[str, list[str]] = {}
         for key, why in table.items():
             grouped.setdefault(why, []).append(name(key))
         return [f"| {', '.join(names)} | {verdict} | {why} |" for why, names in grouped.items()]
 
+    by_kind = {kind: {n: r.why for n, r in rules(config).items() if r.kind == kind} for kind in ("refused", "applied")}
     lines = ["| what | a change on resume | why, or from when |", "|---|---|---|",
-             *rows(REFUSED, "refused"),
+             *rows(by_kind["refused"], "refused"),
              "| model, tokenizer, training data: the SHA-256 of their files (a Hub model: its commit; the data: the "
              "tokenized rows) | refused | another model, tokenizer or data than the checkpoint trained |",
-             *rows({**APPLIED, EVALUATION: EVALUATIONS}, "applied", lambda n: f"`--{n}`" if n in APPLIED else
-                   "the evaluation sets' tokenized rows (SHA-256)"),
+             *rows({**by_kind["applied"], EVALUATION: EVALUATIONS}, "applied",
+                   lambda n: f"`--{n}`" if n != EVALUATION else "the evaluation sets' tokenized rows (SHA-256)"),
              "| global batch (per-device batch x accumulation x processes) | applied | the rest of the epoch dealt in "
              "the new batch from the checkpoint's sample position; the steps and schedule counted anew |",
              "| number of processes, at the same global batch | allowed, recorded | elastic resume (elastic.py) |",
