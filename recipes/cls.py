@@ -59,11 +59,12 @@ def build_model(cfg: Config, names: list[str], pinned: dict | None = None):
 def param_groups(model, weight_decay: float) -> list[dict]:
     """AdamW groups: weight decay on matrices (weights of linear layers, embeddings), none on vectors (biases and the
     scales and shifts of every kind of norm), decided by each parameter's shape, whatever the encoder names it.
-    DeepSpeed ZeRO-3 with zero3_init_flag builds the model partitioned (1-D local tensors): its ds_shape tells."""
+    DeepSpeed ZeRO-3 with zero3_init_flag builds the model partitioned (1-D local tensors): its ds_shape tells.
+    `decayed` marks the group a --force_resume'd --weight_decay goes to (contract.apply_changes)."""
     params = [p for p in model.parameters() if p.requires_grad]
     matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
-    return [{"params": [p for p, m in zip(params, matrix) if m], "weight_decay": weight_decay},
-            {"params": [p for p, m in zip(params, matrix) if not m], "weight_decay": 0.0}]
+    return [{"params": [p for p, m in zip(params, matrix) if m], "weight_decay": weight_decay, "decayed": True},
+            {"params": [p for p, m in zip(params, matrix) if not m], "weight_decay": 0.0, "decayed": False}]
 
 
 def loss_scale(accum: int, world: int, n_window: int) -> float:

@@ -683,3 +683,26 @@ def test_a_training_runs_inputs_inside_its_replaced_outputs_are_refused(referenc
     assert f"--model_name_or_path {out / 'final'} is inside final/ of --output_dir" in str(stopped.value)
     assert "--train_file" in str(stopped.value)
     parse_config([*TINY_FLAGS, "--model_name_or_path", str(out / "final"), "--output_dir", str(tmp_path / "other")])
+
+
+def test_a_forced_decay_and_rate_reach_their_groups_whatever_their_order():
+    """contract.apply_changes: a new --weight_decay goes to the groups cls.param_groups marked decayed (here listed
+    second), a new rate to every group at the rebuilt schedule's factor of the checkpoint's step."""
+    import torch
+    from transformers import get_scheduler
+
+    from recipes import cls
+
+    model = torch.nn.Linear(4, 2)
+    groups = cls.param_groups(model, 0.01)[::-1]  # the no-decay group first
+    optimizer = torch.optim.AdamW(groups, lr=1e-3)
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=10)
+    for _ in range(4):
+        optimizer.step()
+        scheduler.step()
+    cfg = Config(learning_rate=5e-4, weight_decay=0.1)
+    changes = [contract.Change("weight_decay", 0.01, 0.1), contract.Change("learning_rate", 1e-3, 5e-4)]
+    contract.apply_changes(changes, cfg, scheduler)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.0, 0.1]
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([5e-4 * 0.6] * 2)
+    assert scheduler.get_last_lr() == pytest.approx([5e-4 * 0.6] * 2)

@@ -317,24 +317,31 @@ class Contract:
 def apply_changes(changes: list, cfg, scheduler) -> None:
     """After the checkpoint is loaded: the forced changes that live in the optimizer and the schedule. The rate of
     each group becomes the new base times the (rebuilt) schedule's factor at the checkpoint's step, so the next step
-    uses it; the schedule's base rates, which the checkpoint restored, become the new one. The others (clipping,
-    order, length, patience) are read from the flags as the run goes."""
+    uses it; the schedule's base rates, which the checkpoint restored, become the new one. A new decay goes to the
+    groups cls.param_groups marked as decayed. The others (clipping, order, length, patience) are read from the
+    flags as the run goes."""
+    from torch.optim.lr_scheduler import LambdaLR
+
     if not changes:
         return
     names = {c.name for c in changes}
     lr_scheduler = getattr(scheduler, "scheduler", scheduler)  # Accelerate's wrapper keeps torch's scheduler
+    if not isinstance(lr_scheduler, LambdaLR):  # every schedule training/schedule.py builds is one
+        raise RecipeError(f"--force_resume: a {type(lr_scheduler).__name__} schedule cannot take a new rate")
     # the stepping optimizer's groups: checkpoint.load_checkpoint pointed the schedule at them
     # (schedule_stepping_groups)
     groups = lr_scheduler.optimizer.param_groups
     if "weight_decay" in names:
-        groups[0]["weight_decay"] = cfg.weight_decay
+        decayed = [g for g in groups if g.get("decayed")] or groups[:1]  # a checkpoint from before the mark
+        for g in decayed:
+            g["weight_decay"] = cfg.weight_decay
     lr_scheduler.base_lrs = [cfg.learning_rate for _ in lr_scheduler.base_lrs]
     rates = [base * factor(lr_scheduler.last_epoch) for base, factor in zip(lr_scheduler.base_lrs,
                                                                            lr_scheduler.lr_lambdas)]
     lr_scheduler._last_lr = rates  # what get_last_lr() reports: the rate the next step uses
-    for g in groups:
+    for g, rate in zip(groups, rates):
         g["initial_lr"] = cfg.learning_rate
-        g["lr"] = rates[0]
+        g["lr"] = rate
 
 
 # How the table names each refused launch entry.
