@@ -228,7 +228,7 @@ def test_resume_restores_the_cuda_rng_of_the_device_the_rank_saved_on(monkeypatc
         except RuntimeError:
             pass
 
-    accelerator = SimpleNamespace(process_index=rank, load_state=accelerate_load_state,
+    accelerator = SimpleNamespace(process_index=rank, num_processes=1, load_state=accelerate_load_state,
                                   state=SimpleNamespace(deepspeed_plugin=None))
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
