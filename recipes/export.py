@@ -55,9 +55,14 @@ class ExportConfig:
     threads: int = field(default=0, metadata={"help": "CPU threads (default: the cores this process may use)"})
 
 
-def parse_config(argv=None) -> ExportConfig:
+def build_parser() -> HfArgumentParser:
     parser = HfArgumentParser(ExportConfig, prog="recipes/export.py", description=__doc__.split("\n\n")[0])
-    parser.allow_abbrev = False
+    parser.allow_abbrev = False  # a misspelt flag must fail, not set another
+    return parser
+
+
+def parse_config(argv=None) -> ExportConfig:
+    parser = build_parser()
     cfg, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown:
         raise RecipeError(f"unknown arguments: {' '.join(unknown)}")

@@ -62,9 +62,14 @@ class PredictConfig:
         "help": "replace finished or unfinished predictions in --output_dir"})
 
 
-def parse_config(argv=None) -> PredictConfig:
+def build_parser() -> HfArgumentParser:
     parser = HfArgumentParser(PredictConfig, prog="recipes/predict.py", description=__doc__.split("\n\n")[0])
-    parser.allow_abbrev = False
+    parser.allow_abbrev = False  # a misspelt flag must fail, not set another
+    return parser
+
+
+def parse_config(argv=None) -> PredictConfig:
+    parser = build_parser()
     cfg, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown:
         raise RecipeError(f"unknown arguments: {' '.join(unknown)}")
@@ -121,7 +126,9 @@ def records(found, start: int, logits: torch.Tensor, labels: Optional[list], col
 
 
 def main(cfg: PredictConfig) -> dict:
-    state = PartialState()
+    # Accelerate 1.15.0 makes a MULTI_GPU launch (ddp.yaml) MULTI_CPU over gloo only with cpu=True; without it every
+    # process of a launch on a machine without GPUs would predict the whole file alone.
+    state = PartialState(cpu=not torch.cuda.is_available())
     found = classifier.locate(cfg.model_dir, cfg.onnx_file)
     given = {"text_column": cfg.text_column, "text_pair_column": cfg.text_pair_column,
              "label_column": cfg.label_column}
@@ -141,14 +148,14 @@ def main(cfg: PredictConfig) -> dict:
     columns = [c for c in (settings["text_column"], settings["text_pair_column"], settings["label_column"])
                if c and c in ds.column_names]
     ds, n = ds.select_columns(columns), len(ds)
-    out, bound = Path(cfg.output_dir), binding(cfg, found, settings, max_length, n)
-    start = agreed(state, lambda: output.resume_point(out, bound, cfg.overwrite_output_dir))
     threads = runtime.cpu_threads(cfg.threads)
     if found.onnx_file:
         runner = runtime.OnnxRunner(found.onnx_file, state.device, threads)
         runner.check_inputs(tokenizer)
     else:
         runner = runtime.TorchRunner(found.folder, state.device, threads)
+    out, bound = Path(cfg.output_dir), binding(cfg, found, settings, max_length, n)
+    start = agreed(state, lambda: output.resume_point(out, bound, cfg.overwrite_output_dir))
     collate = batching.collator(tokenizer, max_length)
     threshold = found.thresholds if found.thresholds is not None else cfg.multi_label_threshold
     writer = output.Writer(out) if state.is_main_process else None

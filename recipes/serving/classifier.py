@@ -44,12 +44,12 @@ class Classifier:
     thresholds: Optional[torch.Tensor]  # multi-label: the per-label thresholds config.json stores, else None
     run: Optional[dict]  # the training run's flags (run_config.json "config"), None when not found
     run_dir: Optional[Path]  # the run's folder when one was found (the export's default destination)
+    recorded: dict  # text settings on record: the run's flags, or those an export was checked with
     onnx_file: Optional[Path] = None  # ONNX Runtime serves this file; None: the PyTorch weights
 
     def text_settings(self) -> dict:
-        """Columns, truncation and --max_length of the run (the recipe's defaults without one)."""
-        run = self.run or {}
-        return {key: run.get(key, default) for key, default in TEXT_DEFAULTS.items()}
+        """Columns, truncation and --max_length on record (the recipe's defaults where there is none)."""
+        return {key: self.recorded.get(key, default) for key, default in TEXT_DEFAULTS.items()}
 
     def max_positions(self) -> Optional[int]:
         """The longest input the model takes: its position embeddings less RoBERTa's offset slots."""
@@ -86,8 +86,8 @@ def locate(path: str, onnx_file: Optional[str] = None, need_weights: bool = Fals
     names = [config.id2label[i] for i in range(config.num_labels)]
     thresholds = calibration.label_thresholds(types.SimpleNamespace(problem_type=problem_type, calibrate=None),
                                               None, "", names, config)
-    run, run_dir = _run_record(record)
-    found = Classifier(folder, config, problem_type, names, thresholds, run, run_dir)
+    run, run_dir, recorded = _run_record(record)
+    found = Classifier(folder, config, problem_type, names, thresholds, run, run_dir, recorded)
     has_onnx = onnx_file is not None or (folder / ONNX_FILE).is_file()
     if need_weights or not has_onnx:
         if has_onnx and not any((folder / f).is_file() for f in source.WEIGHT_FILES):
@@ -123,14 +123,16 @@ def _config(folder: Path):
     return config
 
 
-def _run_record(path: Path) -> tuple[Optional[dict], Optional[Path]]:
-    """The run's flags from run_config.json (or an export folder's export.json) and the run's folder."""
+def _run_record(path: Path) -> tuple[Optional[dict], Optional[Path], dict]:
+    """The run's flags from run_config.json (or an export folder's export.json), the run's folder, and the text
+    settings on record."""
     if not path.is_file():
-        return None, None
+        return None, None, {}
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise RecipeError(f"cannot read {path}: {first_line(err)}") from None
     if path.name == EXPORT_RECORD:
-        return record.get("run"), Path(record["run_dir"]) if record.get("run_dir") else None
-    return record.get("config"), path.parent
+        return record.get("run"), Path(record["run_dir"]) if record.get("run_dir") else None, \
+            record.get("text_settings", {})
+    return record.get("config"), path.parent, record.get("config", {})
