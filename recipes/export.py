@@ -19,7 +19,7 @@ import shutil
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -180,15 +180,15 @@ def main(cfg: ExportConfig, say=print) -> dict:
                   "calibration_temperature": getattr(found.config, "calibration_temperature", None),
                   "file": classifier.ONNX_FILE, "inputs": names, "output": onnx_export.OUTPUT,
                   "dynamic_axes": {"batch": 0, "sequence": 1}, "text_settings": {**settings, "max_length": max_length},
-                  "parity": checked, "versions": runtime.versions(), "command": " ".join(sys.argv)}
+                  "parity": checked, "versions": runtime.versions(), "config": asdict(cfg)}
         if cfg.int8:
             onnx_export.quantize_int8(staging / classifier.ONNX_FILE, staging / classifier.INT8_FILE)
             record["int8"] = int8_report(cfg, found, session, staging / classifier.INT8_FILE, rows, collate,
                                          threshold, threads)
             say(int8_line(record["int8"]))
         shutil.copy(found.folder / "config.json", staging / "config.json")
-        if (found.folder / "README.md").is_file():
-            shutil.copy(found.folder / "README.md", staging / "README.md")
+        card = (found.folder / "README.md").read_text() if (found.folder / "README.md").is_file() else ""
+        (staging / "README.md").write_text(card.rstrip("\n") + "\n\n" + card_section(record) + "\n")
         tokenizer.save_pretrained(staging)
         (staging / classifier.EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
         replace(staging, out)
@@ -196,6 +196,29 @@ def main(cfg: ExportConfig, say=print) -> dict:
         shutil.rmtree(staging, ignore_errors=True)
     say(f"exported to {out / classifier.ONNX_FILE}")
     return record
+
+
+def card_section(record: dict) -> str:
+    """The model card's part on this folder's ONNX file: how to load it and what its check found."""
+    checked = record["parity"]
+    lines = ["## ONNX", "",
+             f"`{record['file']}` is this model exported by recipes/export.py (torch.onnx.export, dynamic batch and "
+             f"sequence axes; inputs {', '.join(record['inputs'])}, output `{record['output']}`). On "
+             f"{checked['data']}, ONNX Runtime's logits were within {checked['max_abs_logit_difference']:.1e} of "
+             f"PyTorch's (bound {checked['bound']:g}) with the same decision on every row but "
+             f"{checked['near_ties']} near-tie(s); export.json has the figures.", "", "```python",
+             "import onnxruntime as ort", "from transformers import AutoTokenizer", "",
+             'tokenizer = AutoTokenizer.from_pretrained(".")  # this folder',
+             f'session = ort.InferenceSession("{record["file"]}", providers=["CPUExecutionProvider"])',
+             'batch = tokenizer(["a text"], truncation=True, padding=True, return_tensors="np")',
+             "logits = session.run(None, {i.name: batch[i.name] for i in session.get_inputs()})[0]", "```"]
+    if record["thresholds"]:
+        lines += ["", "Multi-label: a label is predicted where sigmoid(logit) >= its threshold in config.json "
+                  "(`label_thresholds`)."]
+    if record.get("int8"):
+        lines += ["", f"`{record['int8']['file']}`: int8 weights (ONNX Runtime's dynamic quantization); "
+                  + int8_line(record["int8"]).split(": ", 1)[1] + "."]
+    return "\n".join(lines)
 
 
 def int8_line(report: dict) -> str:

@@ -226,3 +226,18 @@ def test_an_export_folder_without_a_run_is_checked_on_a_given_file(made, tmp_pat
     assert record["text_settings"]["text_pair_column"] == "text_pair"
     found = classifier.locate(str(tmp_path / "x"))
     assert found.onnx_file == tmp_path / "x" / "model.onnx" and found.names == sorted(serving_data.PAIR_NAMES)
+
+
+def test_export_page_quotes_the_latest_predict_results():
+    """docs/export.md gives the latest `make bench BENCH=predict` figures as scripts/bench_predict.py prints them for
+    the page, and links that results file."""
+    from scripts import bench_predict
+
+    path = max((REPO / "results").glob("*_predict_*.json"), key=lambda p: (json.loads(p.read_text())["date"], p.name))
+    result = json.loads(path.read_text())
+    page = (REPO / "docs" / "export.md").read_text()
+    assert f"](../results/{path.stem}.md)" in page
+    for line in bench_predict.page_lines(result):
+        assert line in page, line
+    parity_figure = f"{result['export_parity']['max_abs_logit_difference']:.1e}"
+    assert parity_figure in page and f"{result['export_parity']['examples']:,}" in page

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import logging
 import warnings
 from pathlib import Path
 
@@ -37,9 +38,9 @@ def export(model, sample: dict, path: Path) -> None:
 
     batch, sequence = Dim("batch"), Dim("sequence")
     big = sum(p.numel() * p.element_size() for p in model.parameters()) >= GRAPH_LIMIT
-    log = io.StringIO()
-    # torch 2.13's exporter prints each stage and warns that the axes' names are kept: the log is shown on failure.
-    with contextlib.redirect_stdout(log), warnings.catch_warnings():
+    # torch 2.13's exporter prints each stage, warns that the axes' names are kept and logs the torchvision ops it
+    # skips: none of it is the user's business once the parity check has run.
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), quiet("torch.onnx"):
         warnings.simplefilter("ignore")
         try:
             torch.onnx.export(model, (), str(path), kwargs=sample, input_names=list(sample), output_names=[OUTPUT],
@@ -53,4 +54,17 @@ def quantize_int8(source: Path, target: Path) -> None:
     """ONNX Runtime's dynamic quantization: int8 weights per channel, activations quantized per batch at run time."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    quantize_dynamic(str(source), str(target), weight_type=QuantType.QInt8, per_channel=True)
+    with quiet(""):  # onnxruntime 1.32 logs a hint on the root logger meant for static quantization's calibration
+        quantize_dynamic(str(source), str(target), weight_type=QuantType.QInt8, per_channel=True)
+
+
+@contextlib.contextmanager
+def quiet(name: str):
+    """The logger `name` (the root logger for "") says errors only, while in the block."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
