@@ -120,7 +120,7 @@ def records(found, start: int, logits: torch.Tensor, labels: Optional[list], col
         line = problem.prediction_record(found.problem_type, start + i, logits[i], found.names, threshold)
         if labels is not None and not problem.is_missing(labels[i]):
             label = torch.tensor(encode(labels[i], "predict"))
-            line["label"] = recipe_predictions._label_value(found.problem_type, label, found.names)
+            line["label"] = recipe_predictions.label_value(found.problem_type, label, found.names)
         lines.append(line)
     return lines
 

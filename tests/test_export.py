@@ -229,9 +229,9 @@ def test_an_export_folder_without_a_run_is_checked_on_a_given_file(made, tmp_pat
 
 
 def test_export_page_quotes_the_latest_predict_results():
-    """docs/export.md gives the latest `make bench BENCH=predict` figures as scripts/bench_predict.py prints them for
+    """docs/export.md gives the latest `make bench BENCH=predict` figures as scripts/measure/bench_predict.py prints them for
     the page, and links that results file."""
-    from scripts import bench_predict
+    from scripts.measure import bench_predict
 
     path = max((REPO / "results").glob("*_predict_*.json"), key=lambda p: (json.loads(p.read_text())["date"], p.name))
     result = json.loads(path.read_text())

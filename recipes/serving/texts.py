@@ -36,7 +36,7 @@ def load(predict_file: Optional[str], dataset_name: Optional[str], dataset_confi
             return load_dataset(FORMATS[path.suffix], data_files={"predict": str(path)}, split="predict")
         except Exception as err:  # datasets raises ValueError, ArrowInvalid, DatasetGenerationError... on bad files
             raise RecipeError(f"cannot read {path}: {first_line(err)}") from None
-    raw = data._load_hub(dataset_name, dataset_config_name)
+    raw = data.load_hub(dataset_name, dataset_config_name)
     if split not in raw:
         raise RecipeError(f"dataset '{dataset_name}' has no split '{split}' (splits: {', '.join(raw)})")
     return raw[split]
@@ -79,7 +79,7 @@ def is_text(value) -> bool:
 
 def texts(values: list) -> list[str]:
     """Text cells as the recipe reads them (empty cells as '')."""
-    return [data._as_text(v) for v in values]
+    return [data.as_text(v) for v in values]
 
 
 def encode(tokenizer, rows: dict, settings: dict, max_length: Optional[int]):

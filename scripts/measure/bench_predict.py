@@ -1,6 +1,6 @@
 """`make bench BENCH=predict`: batch prediction's speed and int8's cost on `make demo-pretrained`'s model, side by side.
 
-    python scripts/bench_predict.py                 # 6 rounds over the 1,143 eval snippets; about 15 min on 2 cores
+    python scripts/measure/bench_predict.py                 # 6 rounds over the 1,143 eval snippets; about 15 min on 2 cores
 
 Four sides, in one process, taking turns in every round (the order rotates from round to round), each over the same
 rows (artifacts/rotten_tomatoes/eval.csv) at the same batch size and threads:
@@ -11,7 +11,7 @@ rows (artifacts/rotten_tomatoes/eval.csv) at the same batch size and threads:
 Each round runs the four at every thread count of --threads (default: 1 and the cores this process may use). A side's
 figure is rows per second of its prediction, the model loaded beforehand; the ratios are taken per round and
 summarised by their median, min and max. Each pass also records its process's CPU seconds and the share of the
-machine's CPU that other work took meanwhile (scripts/bench_load.py): a round with a pass whose others' share is above
+machine's CPU that other work took meanwhile (scripts/measure/bench_load.py): a round with a pass whose others' share is above
 OTHERS_CEILING is disturbed, and the ratios are given over the undisturbed rounds too. Rows per CPU second (one
 thread) hardly move when other work takes cores, wall rows per second do. The export (with --int8) is made first
 when the run has none. Results: results/<date>_predict_<device>_<host>.{json,md}.
@@ -33,12 +33,12 @@ import torch
 
 from recipes import export, predict
 from recipes.serving import classifier, runtime
-from scripts import bench_load
-from scripts.bench import hardware
+from scripts.measure import bench_load
+from scripts.measure.bench import hardware
 from scripts.bench_report import slug, unused_stem
 from scripts.demo_pretrained import DEMO_LR
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEMO_RUN = REPO / "runs" / "demo-pretrained" / "pretrained" / f"lr{DEMO_LR:g}_seed42" / "run"
 SIDES = ("pipeline", "pytorch", "onnx", "onnx_int8")
 # ratio name -> (numerator side, denominator side, the goal it must reach, None: no goal)
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     record = json.loads((args.run_dir / "onnx" / classifier.EXPORT_RECORD).read_text())
     hw = hardware()
     result = {"date": str(dt.date.today()), "command": "make bench BENCH=predict" if argv is None else
-              " ".join(["python scripts/bench_predict.py", *argv]), "hardware": hw, "versions": runtime.versions(),
+              " ".join(["python scripts/measure/bench_predict.py", *argv]), "hardware": hw, "versions": runtime.versions(),
               "model": relative(args.run_dir / "final"), "rows": len(truth), "rows_file": relative(args.predict_file),
               "batch_size": args.batch_size, "rounds": args.rounds, "accuracy": accuracy,
               "by_threads": [summarise(passes, t, len(truth)) for t in thread_counts],
@@ -229,7 +229,7 @@ def markdown(result: dict) -> str:
              f"{result['hardware']['cpu_cores']} cores, batch {result['batch_size']})", "",
              f"`{result['command']}`: {result['model']} over the {result['rows']:,} rows of {result['rows_file']}, "
              f"{result['rounds']} rounds, the four sides taking turns in each at each thread count "
-             "(scripts/bench_predict.py). Figures: median (min-max) over the rounds.", ""]
+             "(scripts/measure/bench_predict.py). Figures: median (min-max) over the rounds.", ""]
     for summary in result["by_threads"]:
         t, quiet = summary["threads"], summary["undisturbed_rounds"]
         lines += [f"## {t} thread{'s' if t > 1 else ''}", "",
