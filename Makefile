@@ -48,13 +48,15 @@ test: offline-model fetch-pretrained
 
 # Writes results/<date>_<device>_<host>.{md,json,png} and rewrites the table between the bench markers of
 # docs/benchmark.md. BENCH_MODEL=<folder or Hub id> benches that encoder instead of the tiny RoBERTa (the page is
-# then left alone). BENCH=compile, BENCH=startup and BENCH=kernels run scripts/measure/bench_compile.py, scripts/measure/bench_startup.py
-# and scripts/measure/bench_kernels.py.
+# then left alone). BENCH=compile, BENCH=startup and BENCH=kernels run scripts/measure/bench_compile.py,
+# scripts/measure/bench_startup.py and scripts/measure/bench_kernels.py; BENCH=predict runs
+# scripts/measure/bench_predict.py on make demo-pretrained's model.
 bench: offline-model
 	$(if $(filter compile,$(BENCH)),$(PY) scripts/measure/bench_compile.py,\
 		$(if $(filter startup,$(BENCH)),$(PY) scripts/measure/bench_startup.py,\
 		$(if $(filter kernels,$(BENCH)),$(PY) scripts/measure/bench_kernels.py,\
-		$(PY) scripts/measure/bench.py --profile $(or $(BENCH),quick) $(if $(BENCH_MODEL),--model_name_or_path $(BENCH_MODEL)))))
+		$(if $(filter predict,$(BENCH)),$(PY) scripts/measure/bench_predict.py,\
+		$(PY) scripts/measure/bench.py --profile $(or $(BENCH),quick) $(if $(BENCH_MODEL),--model_name_or_path $(BENCH_MODEL))))))
 
 # On a connected machine: the pinned stack but torch as wheels in .whl/ for a GPU machine without network (about
 # 43 MiB for Python 3.12). GPU_WHEELS_SKIP replaces the list of packages the GPU machine has (scripts/gpu_wheels.py).

@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification
 from recipes import RecipeError, hooks
 from recipes.checkpoints import best_model, checkpoint, contract, elastic, preemption
 from recipes.checks import launch_checks
-from recipes.inputs import data, problem, tasks
+from recipes.inputs import data, problem, streaming, tasks
 from recipes.model import activation_checkpointing, adapters, compilation, kernels, memstats, padding_free, source
 from recipes.outputs import calibration, predict, profiling, records, report, tracking
 from recipes.training import accelerator as setup, micro_batch, optimizer_step, process, schedule
@@ -191,7 +191,7 @@ def save(run: Run, state: TrainState, end_of_epoch: bool, eval_pending: bool = F
         step=state.step, **run.loaders.position(state.epoch, state.micro, end_of_epoch),
         world_size=run.accelerator.num_processes, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         per_device_train_batch_size=cfg.per_device_train_batch_size, seed=cfg.seed,
-        length_group=run.loaders.sampler.group_size, skipped_steps=state.skipped, long_run=run.best.state(),
+        length_group=run.loaders.group_size, skipped_steps=state.skipped, long_run=run.best.state(),
         eval_pending=eval_pending, finished=state.step == run.loaders.plan.total_steps or run.best.stop_early,
         contract=run.terms.record())
     path = checkpoint.save_checkpoint(run.accelerator, run.out, saved, cfg.save_total_limit)
@@ -234,7 +234,7 @@ def end_of_step(run: Run, state: TrainState, grad_norm, samples: int, weight_sum
                       **run.compiled.counts(), **({"weight_sum": weight_sum} if weight_sum is not None else {})},
                      grad_norm, run.guard.stop_vote())
     run.progress.update(1)
-    end_of_epoch, last = state.micro + 1 == len(run.loaders.train), state.step == plan.total_steps
+    end_of_epoch, last = run.loaders.ends_epoch(state.micro), state.step == plan.total_steps
     eval_due = bool(cfg.eval_steps and state.step % cfg.eval_steps == 0) or end_of_epoch or last
     save_due = checkpoint.checkpoint_due(cfg.checkpointing_steps, state.step, end_of_epoch, last)
     if eval_due or save_due:
@@ -249,31 +249,15 @@ def end_of_step(run: Run, state: TrainState, grad_norm, samples: int, weight_sum
     return last or run.best.stop_early
 
 
-def epoch_batches(run: Run, epoch: int):
-    """The loader of `epoch` and the index of its first micro-batch: in a resumed epoch, a loader that skips the
-    micro-batches the checkpoint trained on (`accelerator.skip_first_batches`)."""
-    loaders = run.loaders
-    # Accelerate 1.15.0's prepared loader re-sets a single-process sampler's epoch to its own pass counter on each
-    # iteration, a counter that starts at 0 in a resumed run: set the loader's epoch too, not only the sampler's.
-    loaders.train.set_epoch(epoch)
-    loaders.sampler.set_epoch(epoch)
-    skip = loaders.consumed_batches(epoch)
-    if not skip:
-        return loaders.train, 0
-    return data.keep_loader_options(run.accelerator.skip_first_batches(loaders.train, skip), loaders.train), skip
-
-
 def train_epoch(run: Run, state: TrainState) -> bool:
     """The micro-batches of epoch `state.epoch` (the rest of a resumed one); True when training ends in it."""
-    accum = run.cfg.gradient_accumulation_steps
-    windows, weight_sums = run.loaders.plan.windows(state.epoch), run.loaders.window_weights(state.epoch)
-    batches, first = epoch_batches(run, state.epoch)
+    batches, first = run.loaders.batches(state.epoch, run.accelerator)
     hooks.reached("epoch", state.epoch, batches)
     for micro, batch in enumerate(batches, start=first):
         hooks.reached("batch", batch)
         run.profiler.batch(state.step)  # --profile_steps: opens a profiled step at its first micro-batch
-        samples = windows[micro // accum]
-        weight_sum = weight_sums[micro // accum] if weight_sums else None  # --class_weights: the window's weights
+        # the window's samples on all ranks, and with --class_weights their weight sum: the loss is their mean
+        samples, weight_sum = run.loaders.window(state.epoch, micro, batch, run.cfg.gradient_accumulation_steps)
         grad_norm = train_step(run, batch, samples if weight_sum is None else weight_sum)
         if not run.accelerator.sync_gradients:
             continue
@@ -331,6 +315,11 @@ class Inputs:
     loss_fn: problem.TrainingLoss  # --class_weights, --label_smoothing_factor
 
 
+def examples(inputs: Inputs) -> int | None:
+    """The training examples; None for a stream (not counted: no pass over it)."""
+    return None if isinstance(inputs.train, streaming.StreamData) else len(inputs.train)
+
+
 def start_up(cfg: Config) -> tuple[Accelerator, checkpoint.ResumePoint]:
     """What needs no data: the trackers and the model source checked, the Accelerator, the checkpoint to resume from
     (read, never changed)."""
@@ -349,15 +338,19 @@ def prepare_data(cfg: Config, accelerator: Accelerator, with_ids: bool) -> Input
     failure = None
     with data.cache_writers_first(cfg, accelerator):  # files/Hub: rank 0 writes the dataset cache, then the others
         try:  # raised after the context: rank 0 failing inside it would leave the others waiting at its barrier
-            train_ds, eval_ds, names = data.prepare_datasets(cfg, tokenizer, with_ids=with_ids)
-            predict_ds = data.prepare_predict(cfg, tokenizer, names)
-            extra_eval = data.prepare_eval_sets(cfg, tokenizer)  # MNLI's mismatched set
+            if cfg.streaming:  # the training rows read as the run goes: its shards, the validation set whole
+                train_ds = streaming.prepare(cfg, tokenizer)
+                eval_ds, names, predict_ds, extra_eval = train_ds.eval, train_ds.names, None, []
+            else:
+                train_ds, eval_ds, names = data.prepare_datasets(cfg, tokenizer, with_ids=with_ids)
+                predict_ds = data.prepare_predict(cfg, tokenizer, names)
+                extra_eval = data.prepare_eval_sets(cfg, tokenizer)  # MNLI's mismatched set
         except RecipeError as err:
             failure = err
     if failure:
         raise failure
     check_scores(cfg.problem_type, tasks.extra_scores(cfg), len(names))  # --metric_name fits the problem
-    loss_fn = problem.TrainingLoss.of(cfg, names, train_ds)
+    loss_fn = problem.TrainingLoss.of(cfg, names, None if cfg.streaming else train_ds)
     calibration.check(cfg)  # --calibrate: a single-label run that trains and evaluates
     return Inputs(tokenizer, train_ds, eval_ds, names, predict_ds, extra_eval, loss_fn)
 
@@ -365,7 +358,8 @@ def prepare_data(cfg: Config, accelerator: Accelerator, with_ids: bool) -> Input
 def build(cfg: Config, accelerator: Accelerator, start: checkpoint.ResumePoint, inputs: Inputs
           ) -> tuple[Run, checkpoint.ResumePoint]:
     """The contract a resume is held to (the resume point as this run will use it), the model and the loaders."""
-    terms = contract.Contract.of(cfg, inputs.train, accelerator.num_processes, contract.launch_identity(accelerator),
+    identity = {"shards": inputs.train.identity} if cfg.streaming else contract.data_identity(inputs.train)
+    terms = contract.Contract.of(cfg, identity, accelerator.num_processes, contract.launch_identity(accelerator),
                                  {"validation": inputs.eval, **dict(inputs.extra_eval)})  # what is trained
     start = terms.settle(start, cfg.force_resume)  # a resume trains what its checkpoint did, or says what changes
     best = best_model.BestModel(cfg, start)  # checks --metric_for_best_model
@@ -373,9 +367,15 @@ def build(cfg: Config, accelerator: Accelerator, start: checkpoint.ResumePoint, 
     launch_checks.check_launch(cfg, model)
     activation_checkpointing.apply(model, cfg.gradient_checkpointing)
     fitted = micro_batch.fit(cfg, accelerator, model, start)  # --auto_micro_batch: sets micro x accumulation
-    loaders = data.build_loaders(cfg, inputs.train, inputs.eval, inputs.tokenizer, accelerator.num_processes,
-                                 resume=start, device_type=accelerator.device.type)
-    loaders.sample_weights = inputs.loss_fn.sample_weights(inputs.train)
+    if cfg.streaming:
+        weights = inputs.loss_fn.weights.tolist() if inputs.loss_fn.weights is not None and \
+            cfg.problem_type == "single_label" else None
+        loaders = streaming.build_loaders(cfg, inputs.train, inputs.tokenizer, accelerator.num_processes, start,
+                                          with_ids=cfg.record_ranks, weights=weights)
+    else:
+        loaders = data.build_loaders(cfg, inputs.train, inputs.eval, inputs.tokenizer, accelerator.num_processes,
+                                     resume=start, device_type=accelerator.device.type)
+        loaders.sample_weights = inputs.loss_fn.sample_weights(inputs.train)
     loaders.extra_eval = [(prefix, data.eval_loader(cfg, ds, inputs.tokenizer)) for prefix, ds in inputs.extra_eval]
     run = Run(cfg, accelerator, model, None, None, loaders, inputs.tokenizer, {}, inputs.loss_fn, terms, best,
               preemption.StepGuard(start, Path(cfg.output_dir)), fitted=fitted)
@@ -420,7 +420,7 @@ def resume(run: Run, start: checkpoint.ResumePoint, inputs: Inputs) -> None:
     if accelerator.is_main_process:
         checkpoint.prepare_output_dir(run.out, start, cfg.overwrite_output_dir, cfg.do_train)
         plain = accelerator.unwrap_model(run.model)
-        resolved = {**records.describe_run(cfg, accelerator, run.loaders.plan.total_steps, len(inputs.train),
+        resolved = {**records.describe_run(cfg, accelerator, run.loaders.plan.total_steps, examples(inputs),
                                            len(inputs.eval)),
                     "dtypes": {"model_file": source.file_dtype(cfg), **memstats.describe_dtypes(run.optimizer)},
                     "training_contract": run.terms.record(), "long_run": run.best.describe(),
@@ -430,7 +430,8 @@ def resume(run: Run, start: checkpoint.ResumePoint, inputs: Inputs) -> None:
         (run.out / "run_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
     accelerator.wait_for_everyone()  # no rank writes into --output_dir before rank 0 has prepared it
     accelerator.init_trackers("cls", config=records.tracker_config(asdict(cfg)))
-    doing = f"training {len(inputs.train)} examples for {run.loaders.plan.total_steps} steps" if cfg.do_train \
+    doing = f"training {examples(inputs) or 'a stream of'} examples for {run.loaders.plan.total_steps} steps" \
+        if cfg.do_train \
         else "evaluating"
     accelerator.print(f"{doing} on {accelerator.num_processes} process(es), {accelerator.distributed_type.value}, "
                       f"precision {accelerator.mixed_precision}")

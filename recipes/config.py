@@ -102,6 +102,16 @@ class Config:
         "after training, predict these rows (same formats)",
         exempt("predictions after training"), check=existing_file)
     do_predict: bool = flag(False, "after training, predict the test split", exempt("predictions after training"))
+    streaming: bool = flag(False,
+        "read --train_file (a file, or a folder of .csv/.jsonl/.parquet shards) as the run goes, tokenizing on the fly, "
+        "never whole; needs --max_train_steps and --validation_file (recipes/inputs/streaming.py)",
+        refused(OTHER_DATA))
+    stream_block_rows: int = flag(10_000,
+        "--streaming: the rows shuffled together (a block), in the run's order of shards and blocks",
+        refused("the stream's order: its blocks are cut by this size"), check=at_least(1))
+    label_names: Optional[str] = flag(None,
+        "--streaming: the labels, comma-separated in id order (default: the validation file's)",
+        refused(OTHER_DATA))
     # The problem and its loss (recipes/inputs/problem.py)
     problem_type: Optional[str] = flag(None,
         "single_label|regression|multi_label (default: inferred)",

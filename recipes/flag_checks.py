@@ -13,6 +13,7 @@ from pathlib import Path
 
 from recipes import RecipeError
 from recipes.checkpoints import best_model, checkpoint
+from recipes.inputs import streaming
 from recipes.inputs.problem import PROBLEM_TYPES
 from recipes.model import adapters, compilation, kernels, padding_free
 from recipes.outputs import profiling
@@ -137,7 +138,8 @@ def flag_problems(cfg) -> list[str]:
     profile_problem = profiling.steps_problem(cfg.profile_steps, cfg.max_train_steps)  # the data may cut it further
     return [*field_problems(cfg), *schedule.schedule_problems(cfg), *kernels.flag_problems(cfg),
             *compilation.flag_problems(cfg), *([profile_problem] if profile_problem else []), *run_problems(cfg),
-            *inputs_among_outputs(cfg), *adapters.flag_problems(cfg), *padding_free.flag_problems(cfg)]
+            *inputs_among_outputs(cfg), *adapters.flag_problems(cfg), *padding_free.flag_problems(cfg),
+            *streaming.flag_problems(cfg)]
 
 
 def check_flags(cfg) -> None:

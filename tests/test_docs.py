@@ -257,11 +257,14 @@ OTHER_PROGRAMS = {"--bf16": "TrainingArguments", "--ddp_backend": "TrainingArgum
 
 
 def test_every_flag_the_docs_name_exists():
-    """A flag in README.md, docs/ or ds_configs/README.md is the recipe's (recipes/config.py), accelerate launch's, a
-    script's of scripts/, or one of OTHER_PROGRAMS: a renamed or removed flag cannot stay in the docs."""
+    """A flag in README.md, docs/ or ds_configs/README.md is the recipe's (recipes/config.py), accelerate launch's,
+    recipes/export.py's or recipes/predict.py's, a script's of scripts/, or one of OTHER_PROGRAMS: a renamed or
+    removed flag cannot stay in the docs."""
     from accelerate.commands.launch import launch_command_parser
 
-    parsers = [config.build_parser(), launch_command_parser()]
+    from recipes import export, predict
+
+    parsers = [config.build_parser(), launch_command_parser(), export.build_parser(), predict.build_parser()]
     known = {s for parser in parsers for action in parser._actions for s in action.option_strings}
     for path in [*(REPO / "scripts").rglob("*.py"), REPO / "scripts" / "slurm_multinode.sh"]:
         known |= set(re.findall(r"[\"'](--[a-z][a-z0-9_-]*)[\"']", path.read_text()))

@@ -295,6 +295,7 @@ def test_each_compared_field_is_found_refused_or_applied_and_no_exempt_one_is(ti
                                "labels": [0, 1]})
     cfg = parse_config(["--model_name_or_path", str(tiny_model), "--train_file", str(data_dir / "train.csv")])
     cfg.problem_type = "single_label"
+    train, fewer = contract.data_identity(train), contract.data_identity(train.select([0]))
     saved = contract.Contract.of(cfg, train, world=2).record()
     start = checkpoint.ResumePoint(step=4, path=tmp_path / "ckpt", contract=saved)
     for f in fields(Config):
@@ -318,7 +319,6 @@ def test_each_compared_field_is_found_refused_or_applied_and_no_exempt_one_is(ti
     (tiny_copy / "model.safetensors").write_bytes(b"other")
     moved = replace(cfg, model_name_or_path=str(tiny_copy))
     assert [c.name for c in contract.Contract.of(moved, train, world=2).differences(saved)] == ["model"]
-    fewer = train.select([0])
     assert [c.name for c in contract.Contract.of(cfg, fewer, world=2).differences(saved)] == ["data"]
     split = replace(cfg, per_device_train_batch_size=cfg.per_device_train_batch_size * 2)
     assert contract.Contract.of(split, train, world=1).differences(saved) == []

@@ -48,6 +48,7 @@ class TrainerState:
     finished: bool = False  # written at the end of training (the last step, or an early stop)
     contract: Optional[dict] = None  # the training it is part of (contract.py); None: written before contracts
     cuda_devices: Optional[list] = None  # each saving rank's local CUDA device index (agree_saved); None: CPU or older
+    stream: Optional[dict] = None  # --streaming: the stream's position after this step (inputs/streaming.py)
 
     @property
     def layout(self) -> dict:

@@ -228,10 +228,11 @@ class Contract:
     rules: dict = field(default_factory=dict, repr=False)  # each compared flag's Rule (not recorded: config.py's)
 
     @classmethod
-    def of(cls, cfg, train_ds, world: int, launch: Optional[dict] = None, eval_sets: Optional[dict] = None
+    def of(cls, cfg, data: dict, world: int, launch: Optional[dict] = None, eval_sets: Optional[dict] = None
            ) -> "Contract":
-        """This run's contract (after the data are prepared: problem_type is resolved then). `eval_sets`: the
-        tokenized evaluation sets by name; `launch`: launch_identity of the Accelerator."""
+        """This run's contract (after the data are prepared: problem_type is resolved then). `data`: the training
+        data's identity (data_identity, or a stream's shards); `eval_sets`: the tokenized evaluation sets by name;
+        `launch`: launch_identity of the Accelerator."""
         from recipes.checkpoints import best_model
         from recipes.model import source
 
@@ -241,7 +242,7 @@ class Contract:
         tokenizer = cfg.tokenizer_name or cfg.model_name_or_path
         return cls(flags=flags, model=folder_identity(cfg.model_name_or_path, is_model_file, loading),
                    tokenizer=folder_identity(tokenizer, lambda p: p.name in TOKENIZER_FILES, loading),
-                   data=data_identity(train_ds),
+                   data=data,
                    evaluation={name: data_identity(ds) for name, ds in (eval_sets or {}).items()},
                    launch=launch or {}, rules=compared(cfg),
                    layout={"per_device_train_batch_size": cfg.per_device_train_batch_size,
@@ -262,9 +263,13 @@ class Contract:
             changes.append(Change("global_batch", saved["layout"], self.layout))
         for name, why in DERIVED.items():
             before, after = saved[name], getattr(self, name)
-            if before != after and name != "data":  # the files that differ, each side ("-": not there)
+            stream = name == "data" and "shards" in before and "shards" in after
+            if stream:  # a stream's shards, by hash: applied with --force_resume, from the checkpoint's position
+                before, after = ({k: v["sha256"] for k, v in side["shards"].items()} for side in (before, after))
+                why = None
+            if before != after and (name != "data" or stream):  # the files that differ, each side ("-": not there)
                 files = sorted(k for k in {*before, *after} if before.get(k) != after.get(k))
-                before, after = ({k: side.get(k, "-") for k in files} for side in (before, after))
+                before, after = ({k: str(side.get(k, "-")) for k in files} for side in (before, after))
             if before != after:
                 changes.append(Change(name, before, after, why))
         if saved.get(EVALUATION) and saved[EVALUATION] != self.evaluation:

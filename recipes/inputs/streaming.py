@@ -20,7 +20,7 @@ import csv
 import json
 import random
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -212,3 +212,167 @@ class RowStream(torch.utils.data.IterableDataset):
             if first <= consumed:
                 return Position(cursor.pass_, cursor.shard, cursor.raw_row, cursor.block, consumed - first)
         raise RecipeError(f"the stream's position after {consumed} rows is no longer known")
+
+
+def label_parser(values: list):
+    """How a label read from a CSV cell (always a string) becomes the type the validation set's labels have."""
+    present = [v for v in values if v is not None]
+    kind = type(present[0]) if present else str
+    if kind is bool or kind not in (int, float):
+        return lambda v: v
+    return lambda v: kind(float(v)) if isinstance(v, str) and kind is int else kind(v) if isinstance(v, str) else v
+
+
+@dataclass
+class StreamData:
+    """A --streaming run's data: the training shards and their identity, the tokenized evaluation set, the label
+    names and how a row's label is encoded."""
+
+    shards: list
+    identity: dict
+    eval: object
+    names: list
+    encode_label: object
+
+
+def prepare(cfg, tokenizer) -> StreamData:
+    """The shards of --train_file, and the map-style validation set (--validation_file), which gives the label
+    names unless --label_names does; no training row is read here."""
+    from recipes.inputs import data, problem
+
+    shards = shard_files(cfg.train_file)
+    raw = data.load_local({"validation": cfg.validation_file})["validation"]
+    data.check_columns(raw, cfg, "validation")
+    if cfg.label_names:
+        names = [n.strip() for n in cfg.label_names.split(",") if n.strip()]
+        cfg.problem_type = cfg.problem_type or problem.infer_problem_type(raw[cfg.label_column][:], False)
+        encode_label = problem.LabelEncoder(cfg.problem_type, names, cfg.label_column)
+    else:
+        names, encode_label = data.label_space(raw, raw, cfg)
+    evaluation = data.tokenize_split(raw, cfg, tokenizer, encode_label, "validation", cfg.max_eval_samples)
+    parse = label_parser(raw[cfg.label_column][:])
+    return StreamData(shards, identity(shards), evaluation.remove_columns(data.ROW), names,
+                      lambda value: encode_label(parse(value), "training"))
+
+
+class StreamCollator:
+    """A micro-batch of raw rows: tokenized here (each process only its own rows), then padded or packed as the
+    map-style batches are (data.collator); the window's weight sum and the row ids ride beside the tensors."""
+
+    def __init__(self, cfg, tokenizer, with_ids: bool):
+        from recipes.inputs import data
+
+        self.cfg, self.tokenizer, self.with_ids = cfg, tokenizer, with_ids
+        self.pad, self.sample_ids = data.collator(cfg, tokenizer), data.SAMPLE_IDS
+
+    def __call__(self, rows: list[dict]) -> dict:
+        pairs = [r["text_pair"] for r in rows] if "text_pair" in rows[0] else None
+        encoded = self.tokenizer([r["text"] for r in rows], pairs, truncation=self.cfg.truncation,
+                                 max_length=self.cfg.max_length)
+        features = [{**{k: v[i] for k, v in encoded.items()}, "labels": row["label"],
+                     **({self.sample_ids: row[ROW_ID]} if self.with_ids else {})} for i, row in enumerate(rows)]
+        batch = self.pad(features)
+        if WINDOW_WEIGHT in rows[0]:
+            batch[WINDOW_WEIGHT] = rows[0][WINDOW_WEIGHT]
+        return batch
+
+
+class Endless:
+    """Every window of an endless stream holds the global batch."""
+
+    def __init__(self, samples: int):
+        self.samples = samples
+
+    def __getitem__(self, index: int) -> int:
+        return self.samples
+
+
+@dataclass
+class StreamPlan:
+    total_steps: int
+    global_batch: int
+    epochs: int = 1  # one endless epoch, which the loop leaves at the last step
+
+    def windows(self, epoch: int) -> Endless:
+        return Endless(self.global_batch)
+
+
+@dataclass
+class StreamLoaders:
+    """A --streaming run's loaders, answering the training loop as data.Loaders does."""
+
+    train: object
+    eval: object
+    stream: RowStream
+    plan: StreamPlan
+    round_rows: int  # rows of one micro-batch on every process
+    extra_eval: list = field(default_factory=list)
+    sample_weights: Optional[list] = None  # the weights ride on the rows (RowStream): nothing per sample here
+
+    @property
+    def group_size(self) -> int:
+        return self.stream.group_size
+
+    def batches(self, epoch: int, accelerator):
+        return self.train, 0
+
+    def window(self, epoch: int, micro: int, batch: dict, accum: int) -> tuple[int, Optional[float]]:
+        return self.plan.global_batch, batch.pop(WINDOW_WEIGHT, None)
+
+    def ends_epoch(self, micro: int) -> bool:
+        return False
+
+    def position(self, epoch: int, micro: int, end_of_epoch: bool) -> dict:
+        """The checkpoint's place: the stream's position after micro-batch `micro` (rows of every process)."""
+        return {"epoch": 0, "samples_in_epoch": 0, "stream": self.stream.position((micro + 1) * self.round_rows).record()}
+
+
+def build_loaders(cfg, stream_data: StreamData, tokenizer, world_size: int, resume=None, with_ids: bool = False,
+                  weights=None) -> StreamLoaders:
+    """The loaders of a stream from `resume`'s position (the stream's start on a fresh run). `weights`: the class
+    weight table (--class_weights, single-label)."""
+    from recipes.inputs import data
+
+    step_rows = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world_size
+    columns = {"text": cfg.text_column, "label": cfg.label_column, "text_pair": cfg.text_pair_column}
+    stream = RowStream(stream_data.shards, columns, stream_data.encode_label, cfg.seed, cfg.stream_block_rows,
+                       group_size=step_rows if cfg.group_by_length else 0, window=step_rows,
+                       weight=(lambda label: weights[label]) if weights is not None else None,
+                       start=Position.of(getattr(resume, "stream", None) if resume is not None else None))
+    # The main process reads and tokenizes (a worker would read the whole stream again). An own generator, as the
+    # map-style loaders have: a new iterator would otherwise draw its seed from the global RNG, shifting dropout.
+    train = torch.utils.data.DataLoader(stream, batch_size=cfg.per_device_train_batch_size,
+                                        collate_fn=StreamCollator(cfg, tokenizer, with_ids),
+                                        generator=torch.Generator().manual_seed(cfg.seed))
+    evaluation = data.eval_loader(cfg, stream_data.eval, tokenizer)
+    return StreamLoaders(train, evaluation, stream, StreamPlan(cfg.max_train_steps, step_rows),
+                         cfg.per_device_train_batch_size * world_size)
+
+
+def flag_problems(cfg) -> list[str]:
+    """What --streaming needs of the other flags, and what it cannot do on a stream of unknown length."""
+    if not cfg.streaming:
+        return ["--label_names declares a stream's labels (--streaming); a run on a dataset reads them from it"] \
+            if cfg.label_names else []
+    problems = []
+    if not cfg.train_file:
+        problems.append("--streaming reads --train_file (a file or a folder of shards)"
+                        + ("; for a Hub dataset, download its files (huggingface-cli download --repo-type dataset) "
+                           "and give their folder" if cfg.dataset_name or cfg.task_name else ""))
+    if not cfg.validation_file:
+        problems.append("--streaming needs --validation_file: the evaluation set is read whole, and a stream has no "
+                        "split to hold out")
+    if not cfg.max_train_steps:
+        problems.append("--streaming needs --max_train_steps: a stream's length is not known before it ends")
+    refused = {"max_train_samples": "the first N rows of a stream of unknown length",
+               "validation_split_name": "a split of a stream", "do_predict": "predictions (recipes/predict.py "
+               "predicts a file in a second run)", "predict_file": "predictions (recipes/predict.py predicts a file "
+               "in a second run)"}
+    problems += [f"--streaming with --{name}: {why}" for name, why in refused.items() if getattr(cfg, name)]
+    if cfg.class_weights == "balanced":
+        problems.append("--streaming with --class_weights balanced: the class counts need a pass over the stream; "
+                        "give the weights, one number per label")
+    if cfg.checkpointing_steps == "epoch":
+        problems.append("--streaming with --checkpointing_steps epoch: a stream's passes are not optimizer-step "
+                        "boundaries; give a number of steps")
+    return problems

@@ -52,7 +52,10 @@ def make_accelerator(cfg):
         kwargs_handlers=[group, ddp],
         dynamo_plugin=compilation.dynamo_plugin(cfg),  # --torch_compile; None: the launch config's dynamo_config
         # Host-to-device copies that do not wait: the batch comes from pinned memory on GPUs (data.build_loaders).
-        dataloader_config=DataLoaderConfiguration(non_blocking=not on_cpu),
+        # --streaming: every process reads the stream and keeps its slice (IterableDatasetShard); by default
+        # Accelerate 1.15.0 would have rank 0 read all and dispatch the batches
+        dataloader_config=DataLoaderConfiguration(non_blocking=not on_cpu,
+                                                  dispatch_batches=False if cfg.streaming else None),
     )
     check_agreement(accelerator, cfg)  # a launch config's accumulation over --gradient_accumulation_steps
     use_tf32_matmuls(accelerator.device.type, accelerator.mixed_precision, cfg.tf32)
