@@ -15,6 +15,7 @@ import csv
 import datetime as dt
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -51,6 +52,7 @@ def launch(out: Path, data: list[str], steps: int) -> dict:
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", "accelerate_configs/ddp.yaml",
            "--main_process_port", str(free_port()), "recipes/cls.py", *FLAGS, *data, "--max_train_steps", str(steps),
            "--output_dir", str(out)]
+    shutil.rmtree(out, ignore_errors=True)  # the previous round's metrics.jsonl would read as this one's first step
     started = time.perf_counter()
     first = None
     with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as proc:
