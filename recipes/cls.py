@@ -57,8 +57,11 @@ def param_groups(model, weight_decay: float) -> list[dict]:
     DeepSpeed ZeRO-3 with zero3_init_flag builds the model partitioned (1-D local tensors): its ds_shape tells."""
     params = [p for p in model.parameters() if p.requires_grad]
     matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
-    return [{"params": [p for p, m in zip(params, matrix) if m], "weight_decay": weight_decay},
-            {"params": [p for p, m in zip(params, matrix) if not m], "weight_decay": 0.0}]
+    groups = [{"params": [p for p, m in zip(params, matrix) if m], "weight_decay": weight_decay},
+              {"params": [p for p, m in zip(params, matrix) if not m], "weight_decay": 0.0}]
+    # an empty group (LoRA on a decoder without biases trains matrices only) would be dropped by DeepSpeed 0.19.8's
+    # ZeRO-3 optimizer, and the schedule built on both groups then fails at its first step
+    return [g for g in groups if g["params"]]
 
 
 def loss_scale(accum: int, world: int, n_window: int) -> float:

@@ -127,8 +127,9 @@ def ddp_parity_reference(tiny_model, tmp_path_factory):
 # end while the other core idles. Order only: every file still runs whole on one worker. `make test` passes
 # --no-loadscope-reorder: pytest-xdist 3.8.0 otherwise sends the files with the most tests first (its default
 # reorder), which put the two longest chains of launches, test_resume and test_elastic, last.
-LONG_FIRST = ["test_resume.py", "test_strategies.py", "test_padding_free.py", "test_pretrained.py", "test_encoders.py",
-              "test_strength.py", "test_bench.py", "test_elastic.py", "test_compile.py"]
+LONG_FIRST = ["test_resume.py", "test_strategies.py", "test_decoder_strategies.py", "test_padding_free.py",
+              "test_pretrained.py", "test_encoders.py", "test_strength.py", "test_bench.py", "test_elastic.py",
+              "test_compile.py"]
 
 
 def pytest_configure(config):
