@@ -188,3 +188,4 @@ def test_resume_mid_run_equals_the_uninterrupted_run(runs, tiny_decoders, tmp_pa
                launch_args=fp32_launch_args(config, tmp_path))
     assert losses(again) == losses(out)[4:]
     assert read_jsonl(again / "eval.jsonl")[-1]["accuracy"] == read_jsonl(out / "eval.jsonl")[-1]["accuracy"]
+

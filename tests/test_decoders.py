@@ -1,4 +1,4 @@
-"""Decoder LLMs as sequence classifiers (recipes/model/decoders.py), in-process, no launch.
+"""Decoder LLMs as sequence classifiers (recipes/model/decoders.py), in-process but for two memory launches.
 
 - The staged SmolLM2 (make fetch-smollm2): its safetensors hold the GGUF file's dequantized tensors bit for bit, and
   the staged folder continues "The capital of France is" with " Paris." and classifies with its tokenizer's pad id.
@@ -7,6 +7,9 @@
   sequence alone, also for a text that ends in the eos token that pads (where transformers' own pooling is shown to
   take another token); their gradients too; the pad id goes from the tokenizer into the config.
 - LoRA targets and head, FSDP2 units, found from each model; the one-line refusals.
+- Memory: scripts/memory_model.py and the config checker on a Llama-3-8B-shaped config.json (offline, no weights),
+  with and without LoRA; activations measured on 1- and 2-layer cuts equal the whole model's; ZeRO-3 runs of the
+  staged SmolLM2 (full, LoRA) hold the predicted model state within 10%.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import json
 import pytest
 import torch
 
-from helpers import REPO
+from helpers import PRETRAINED_DATA, REPO, fp32_launch_args, no_gpu, rank_records, run_recipe
 from recipes import RecipeError, cls
 from recipes.inputs.data import Collator
 from recipes.model import adapters, decoders, fsdp_wrap, padding_free, source
@@ -231,3 +234,123 @@ def test_tokenizer_without_pad_or_eos_is_one_line(tiny_decoders):
     tokenizer.eos_token = None
     with pytest.raises(RecipeError, match=r"^the tokenizer of 'x' has neither a pad token nor an eos token"):
         decoders.give_pad_token(tokenizer, "x")
+
+
+# ---- memory: the model-state prediction and the config checker for decoders -----------------------------------
+
+SHAPES = REPO / "tests" / "fixtures" / "decoder_shapes"  # config.json of Llama 3.2 1B, Llama 3 8B and 70B
+
+
+def llama_numbers(h: int, i: int, layers: int, kv: int, vocab: int, r: int, labels: int = 2) -> tuple[int, int]:
+    """(parameters of the sequence classifier, trainable ones under the default LoRA of rank r) of a Llama shape,
+    counted by hand: per layer q, o (h x h), k, v (h x kv), gate, up (h x i), down (i x h), two norms; the embedding,
+    the final norm and `score` (h x labels, no bias); LoRA's A (r x in) and B (out x r) on the 7 projections."""
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+    params = vocab * h + layers * per_layer + h + h * labels
+    lora = layers * r * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + i) + (i + h))
+    return params, lora + h * labels
+
+
+def test_memory_model_reads_a_llama_3_8b_shape_offline():
+    """scripts/memory_model.py on a config.json alone (no weights, no Hub): the 8B shape's sequence classifier has
+    the hand-counted parameters; with --lora_r 8 the trainable ones are the adapters + `score`, and ZeRO-3 predicts the
+    frozen input embedding released after an evaluation's forward (measured on SmolLM2: test_decoder_strategies)."""
+    from scripts import memory_model as mm
+
+    h, i, layers, kv, vocab = 4096, 14336, 32, 1024, 128256
+    params, trainable = llama_numbers(h, i, layers, kv, vocab, 8)
+    full = mm.shape_from_model(str(SHAPES / "llama-3-8b"))
+    lora = mm.shape_from_model(str(SHAPES / "llama-3-8b"), lora_r=8)
+    assert full.num_params == params == 7_504_932_864 and full.trainable_params is None
+    assert lora.trainable_params == trainable == 20_979_712
+    assert lora.num_params == params + trainable  # + the adapters and PEFT's trained copy of `score`
+    assert full.fsdp_root_params == h + 2 * h  # the final norm and `score`: the layers and embedding are units
+    assert full.input_embedding_params == vocab * h
+    gathered = {s.what: s.nbytes for s in mm.predict("zero3", lora, 8, "bf16")}["gathered bf16 parameters"]
+    zero = json.loads((REPO / "ds_configs" / "zero3.json").read_text())["zero_optimization"]
+    live, threshold = zero["stage3_max_live_parameters"], zero["stage3_param_persistence_threshold"]
+    assert gathered == 2 * min(lora.num_params - lora.persistent(threshold) - vocab * h, live) == 2 * live
+    small = mm.shape_from_model(str(SHAPES / "llama-3.2-1b"), lora_r=8)
+    gathered = {s.what: s.nbytes for s in mm.predict("zero3", small, 8, "bf16")}["gathered bf16 parameters"]
+    assert gathered == 2 * (small.num_params - small.persistent(threshold) - 128256 * 2048) < 2 * live
+    fsdp = mm.totals(mm.predict("fsdp", full, 8, "bf16"))
+    # between steps: the fp32 shard + Adam's two moments of it, 12 B / 8 per parameter; + the fp32 gradient shard
+    assert fsdp["resident"] == 12 * -(-params // 8) and fsdp["peak"] - fsdp["resident"] == 4 * -(-params // 8) + \
+        2 * full.fsdp_root_params  # around the step, and the root unit gathered in bf16
+
+
+def test_layer_scaled_activations_equal_the_whole_models(tiny_decoders, tmp_path):
+    """The checker measures a deep model's activations on its cuts to 1 and 2 layers (scripts/activation_memory.py
+    layer_scaled_activations): on a 4-layer Llama they equal the whole model's to the byte, with and without
+    gradient checkpointing; a vocabulary cut changes nothing."""
+    from scripts import activation_memory
+
+    config = json.loads((tiny_decoders["llama"] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 4}))
+    for checkpointing in (False, True):
+        whole = activation_memory.scaled_activations(activation_memory.build(str(tmp_path), checkpointing), 3, 24)
+        assert activation_memory.layer_scaled_activations(str(tmp_path), 3, 24, checkpointing) == whole > 0
+    from transformers import AutoConfig
+
+    cut = activation_memory.cut(AutoConfig.from_pretrained(SHAPES / "llama-3-8b"), 2)
+    assert (cut.num_hidden_layers, cut.vocab_size, cut.eos_token_id) == (2, 1024, None)
+
+
+def test_config_checker_gives_every_shipped_config_the_decoder_state_with_and_without_lora(monkeypatch, capsys):
+    """scripts/check_config.py --all on the 8B shape at 8 GPUs: each launch's model state is memory_model's for its
+    strategy, with LoRA when --use_peft (its line says so), and fits in 80 GB where the table in docs/decoders.md
+    says. The activations' measurement (2 cuts of 0.2 and 0.4 B parameters, tested above on a small decoder) is
+    stood in for by 1 GiB: this test is about the model state."""
+    from scripts import activation_memory, check_config
+    from scripts import memory_model as mm
+
+    monkeypatch.setattr(activation_memory, "layer_scaled_activations", lambda *args, **kwargs: mm.GIB)
+    for lora in (None, 8):
+        flags = ["--all", "--model_name_or_path", str(SHAPES / "llama-3-8b"), "--num_processes", "8"]
+        check_config.main(flags + (["--use_peft"] if lora else []))
+        lines = [ln for ln in capsys.readouterr().out.splitlines() if ": note: per GPU (" in ln]
+        assert len(lines) == len(list((REPO / "accelerate_configs").glob("*.yaml")))
+        shape = mm.shape_from_model(str(SHAPES / "llama-3-8b"), lora_r=lora)
+        for line in lines:
+            path = line.split(": note: ")[0]
+            strategy, world, precision, ds, _ = check_config.launch_settings(path, {"num_processes": 8})
+            state = mm.totals(mm.predict(strategy, shape, world, precision, ds_config=ds))["device_peak"]
+            lora_note = ", LoRA r 8" if lora else ""
+            assert f"({strategy}, 8 processes, {precision}{lora_note}): model state {state / mm.GIB:.2f} GiB" in line
+
+
+# ---- the staged SmolLM2: measured model state against scripts/memory_model.py ------------------------------------
+
+# 2 steps of 2 x 2 snippets of 16 tokens, evaluated after each on 4: the memory record (--record_ranks, recipes/model/
+# memstats.py) after the last evaluation. A rate too small to move a weight makes every evaluation equal the first,
+# so best/ is saved once, before the last evaluation: a save gathers every ZeRO-3 parameter and partitions them all
+# again, which would hide what the evaluation left gathered (the prediction's "after_eval").
+LORA = ["--use_peft", "--lora_r", "4", "--lora_dropout", "0"]
+MEMORY_RUN = ["--model_name_or_path", str(SMOLLM2), *PRETRAINED_DATA, "--max_length", "16", "--max_train_samples", "8",
+              "--max_eval_samples", "4", "--per_device_train_batch_size", "2", "--max_train_steps", "2",
+              "--eval_steps", "1", "--learning_rate", "1e-30", "--record_ranks"]
+MEMORY_RTOL = 0.10  # the issue's bound; measured here: 0.9989 (LoRA) and 1.0000
+
+
+@pytest.mark.multiproc
+@no_gpu
+@staged
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_measured_model_state_is_the_predicted_one_on_smollm2(tmp_path, lora):
+    """ZeRO-3, fp32, 2 processes: every rank's live tensor bytes after the last evaluation (parameters, gradients,
+    optimizer state, buffers as memstats finds them) against scripts/memory_model.py's prediction, which keeps the
+    evaluation's gathered parameters but, under LoRA, the frozen input embedding. (FSDP2 and one process with LoRA
+    measured 1.0000 of the prediction too, not launched here for time.)"""
+    from scripts import memory_model as mm
+
+    config = "zero3.yaml"
+    run_recipe(tmp_path / "run", *MEMORY_RUN, *(LORA if lora else []), config=config,
+               launch_args=fp32_launch_args(config, tmp_path))
+    shape = mm.shape_from_model(str(SMOLLM2), lora_r=4 if lora else None)
+    ds = json.loads((tmp_path / f"fp32_{config}.json").read_text())
+    predicted = mm.totals(mm.predict("zero3", shape, 2, "fp32", ds_config=ds))["after_eval"]
+    for record in rank_records(tmp_path / "run"):
+        ratio = record["memory"]["live_tensor_bytes"] / predicted
+        print(f"SmolLM2 ZeRO-3 {'LoRA' if lora else 'full'} rank {record['rank']}: measured / predicted "
+              f"{ratio:.4f} ({record['memory']['live_tensor_bytes'] / 2**20:.1f} MiB)")
+        assert abs(ratio - 1) <= MEMORY_RTOL
