@@ -13,6 +13,8 @@ head saved), carries the pad id, and under LoRA: adapter/ complete from both ran
 lora_B non-zero in rank 1's half), the merged final/ = fp32 base + adapter with the base's frozen tensors bit for
 bit, adapter/ loadable from a copy as docs/lora.md shows. `pipeline("text-classification")` on final/ reproduces the
 run's last evaluation; a mid-run resume equals the uninterrupted run exactly (the head restored).
+The sweep runner (one process per trial) runs the decoder with and without --padding_free, with length grouping,
+class weights, gradient checkpointing and the evaluation report.
 """
 from __future__ import annotations
 
@@ -188,4 +190,42 @@ def test_resume_mid_run_equals_the_uninterrupted_run(runs, tiny_decoders, tmp_pa
                launch_args=fp32_launch_args(config, tmp_path))
     assert losses(again) == losses(out)[4:]
     assert read_jsonl(again / "eval.jsonl")[-1]["accuracy"] == read_jsonl(out / "eval.jsonl")[-1]["accuracy"]
+
+
+def test_sweep_of_padding_free_with_grouping_class_weights_checkpointing_and_report(tiny_decoders, tmp_path):
+    """scripts/sweep.py over --padding_free false/true on the tiny Llama, one process each, with --group_by_length,
+    --class_weights balanced, --gradient_checkpointing, accumulation 2 and the evaluation report: both trials finish,
+    the packed run's per-step losses and evaluation follow the padded one's (the same sequences, each pooled at its
+    last token), the sweep's report holds both scores, each eval_report/ counts the 32 evaluation examples."""
+    from helpers import PYTHON, run_in_own_group
+
+    space = tmp_path / "space.yaml"
+    space.write_text("padding_free: [false, true]\n")
+    out = tmp_path / "sweep"
+    fixed = ["--model_name_or_path", str(tiny_decoders["llama"]), "--max_train_samples", "64", "--max_eval_samples",
+             "32", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+             "--per_device_eval_batch_size", "16", "--cpu_threads", "1", "--max_train_steps", "6", "--eval_steps", "3",
+             "--logging_steps", "1", "--learning_rate", "1e-3", "--group_by_length", "--class_weights", "balanced",
+             "--gradient_checkpointing", "--eval_report", "true"]
+    proc = run_in_own_group([PYTHON, "scripts/sweep.py", "--space", str(space), "--seeds", "1", "--output_dir",
+                             str(out), "--metric", "loss", "--", *fixed], 600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert sorted(t["state"] for t in report["trials"]) == ["COMPLETE", "COMPLETE"]
+    padded, packed = (out / "trials" / f"padding_free={v},seed=42" for v in ("False", "True"))
+    a, b = losses(padded), losses(packed)
+    delta = max(abs(x - y) for x, y in zip(a, b))
+    print(f"sweep: packed vs padded decoder runs, max |loss difference| over 6 steps = {delta:.3e}")
+    assert len(a) == len(b) == 6 and delta <= LOSS_ATOL
+    values = sorted(t["value"] for t in report["trials"])
+    assert values[1] - values[0] <= LOSS_ATOL
+    for trial in (padded, packed):
+        resolved = json.loads((trial / "run_config.json").read_text())
+        assert resolved["config"]["class_weights"] == "balanced" and resolved["config"]["group_by_length"]
+        assert [r.get("weight_sum") is not None for r in read_jsonl(trial / "metrics.jsonl")] == [True] * 6
+        scores = json.loads((trial / "eval_report" / "report.json").read_text())
+        assert sum(c["support"] for c in scores["per_class"].values()) == scores["n_examples"] == 32
+        assert scores["accuracy"] == read_jsonl(trial / "eval.jsonl")[-1]["accuracy"]
+    assert json.loads((packed / "run_config.json").read_text())["kernels"]["attn_implementation"] == \
+        "padding_free_sdpa"
 

@@ -236,6 +236,44 @@ def test_tokenizer_without_pad_or_eos_is_one_line(tiny_decoders):
         decoders.give_pad_token(tokenizer, "x")
 
 
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_gradient_checkpointing_and_sdpa_change_no_number(tiny_decoders, tmp_path, lora):
+    """--gradient_checkpointing (recipes/model/activation_checkpointing.py, torch's non-reentrant checkpoint) on the
+    decoder, with and without LoRA: the same loss and trainable gradients as the plain model; eager attention gives
+    the SDPA logits (left padding: rows of the mask that see no key) within float32 rounding."""
+    from recipes.model import activation_checkpointing
+
+    flags = ["--use_peft", "--lora_r", "4", "--lora_dropout", "0"] if lora else []
+    runs = []
+    for checkpointed in (False, True):
+        model, tokenizer, cfg = loaded(tiny_decoders["llama"], *flags)
+        model = adapters.apply(cfg, model)
+        for name, p in model.named_parameters():  # LoRA's B starts at zero: A's gradient then would be zero too
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02)
+        activation_checkpointing.apply(model, checkpointed, env={})
+        model.train()
+        batch = padded(tokenizer, [tokenizer(t) for t in TEXTS], "left")
+        loss = torch.nn.functional.cross_entropy(model(**batch).logits, torch.tensor([0, 1, 2, 1]))
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (plain_loss, plain), (ckpt_loss, ckpt) = runs
+    assert set(plain) == set(ckpt) and all(g.abs().sum() > 0 for g in ckpt.values())
+    worst = max(float((plain[n] - ckpt[n]).abs().max()) for n in plain)
+    assert torch.equal(plain_loss, ckpt_loss) and worst <= 1e-6, worst
+    from transformers import AutoModelForSequenceClassification
+
+    model, tokenizer, cfg = loaded(tiny_decoders["llama"])
+    eager = decoders.apply(cfg, AutoModelForSequenceClassification.from_pretrained(
+        tiny_decoders["llama"], num_labels=3, attn_implementation="eager")).eval()
+    eager.score.load_state_dict(model.score.state_dict())
+    batch = padded(tokenizer, [tokenizer(t) for t in TEXTS], "left")
+    with torch.no_grad():
+        assert float((eager(**batch).logits - model(**batch).logits).abs().max()) <= LOGITS_ATOL
+    assert (eager.config._attn_implementation, model.config._attn_implementation) == ("eager", "sdpa")
+
+
 # ---- memory: the model-state prediction and the config checker for decoders -----------------------------------
 
 SHAPES = REPO / "tests" / "fixtures" / "decoder_shapes"  # config.json of Llama 3.2 1B, Llama 3 8B and 70B
