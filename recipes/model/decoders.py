@@ -16,7 +16,7 @@ What transformers 5.23 leaves to the user, done here once for every such model:
 - LoRA, FSDP2 and ZeRO-3 need nothing of their own: `score` is the head PEFT trains in full and saves
   (adapters.head_modules: the top model's modules beside the base model), the decoder layers are the FSDP2 units
   (fsdp_wrap: transformers' `_no_split_modules`) and carry the LoRA targets (their linear layers); a new `score`
-  built under ZeRO-3's `zero.Init` is initialised by transformers' loader (tests/test_decoders.py checks it).
+  built under ZeRO-3's `zero.Init` is initialised by transformers' loader (tests/test_decoder_strategies.py).
 
 What remains the library's: a final/ reloaded outside the recipe pools as transformers does (the rightmost non-pad
 token), which is the last real token unless a text ends in the pad token.
@@ -175,8 +175,10 @@ def check_packed_attention(model, calls: int) -> None:
     recurrent layer whose state would run from one sequence into the next)."""
     from recipes.model import fsdp_wrap
 
-    layer_class = fsdp_wrap.repeated_layer_class(model)
-    layers = sum(type(m).__name__ == layer_class for m in model.modules())
+    if not hasattr(model, "decoder_layers"):  # counted once: the module tree does not change between forwards
+        layer_class = fsdp_wrap.repeated_layer_class(model)
+        model.decoder_layers = (layer_class, sum(type(m).__name__ == layer_class for m in model.modules()))
+    layer_class, layers = model.decoder_layers
     if calls < layers:
         raise RecipeError(f"--padding_free: {type(model).__name__} ran {calls} of its {layers} {layer_class} layers' "
                           "attention through transformers' attention interface with the sequence boundaries, so "
