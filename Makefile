@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
 .PHONY: demo pairs test venv offline-model bench clean gpu-wheels gpu-check fetch-pretrained demo-pretrained sweep \
-	fetch-smollm2
+	fetch-smollm2 demo-decoder
 
 venv: .venv/.installed
 .venv/.installed: pyproject.toml
@@ -98,6 +98,12 @@ demo-pretrained: fetch-pretrained
 # reading the GGUF needs `gguf`, in the dev and decoders extras). Run again, it checks the staged hashes (seconds).
 fetch-smollm2: venv
 	$(PY) scripts/fetch_smollm2.py
+
+# A decoder LLM as a classifier: the staged SmolLM2 (4-bit-rounded weights) with LoRA on the Rotten Tomatoes snippets,
+# DDP on PROCS processes, one run per seed, beside the same architecture from random init (its own record); prints the
+# eval accuracy and writes results/<date>_decoder_<device>_<host>.{json,md} (scripts/demo_decoder.py, docs/decoders.md).
+demo-decoder: fetch-smollm2 fetch-pretrained
+	$(PY) scripts/demo_decoder.py --procs $(PROCS) --seeds $(SEEDS)
 
 # A 3-rate x 3-seed sweep of the offline model on the default offline data, DDP on PROCS processes per trial, to its
 # report (runs/sweep/report.md, .json, .png). The same command again continues a killed sweep; SWEEP_OUT=runs/mine

@@ -164,6 +164,70 @@ def test_each_sequence_is_classified_by_its_last_real_token(tiny_decoders, arch)
         assert float((theirs[3] - want[3]).abs().max()) > 1e-3  # the text ending in eos: pooled one token early
 
 
+
+# Other decoder families, tiny configs in their own parameter names: the same general rule, no code of their own.
+# Packing: accepted where every layer attends through transformers' interface with the boundaries; else refused.
+OTHER_FAMILIES = {
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=512),
+    "gpt_neox": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128),
+    "opt": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128, word_embed_proj_dim=64),
+    "olmo2": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128),
+    "smollm3": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=128),
+    "starcoder2": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=128),
+    "gemma3_text": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=128, head_dim=16, sliding_window=8),
+    "mixtral": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=128, num_local_experts=4),
+    "qwen3_moe": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                      head_dim=16),
+    "bloom": dict(hidden_size=64, n_layer=2, n_head=4),  # ALiBi in its own attention code: packing refused
+    "qwen3_next": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=128, head_dim=16, num_experts=4, moe_intermediate_size=32,
+                       num_experts_per_tok=2),  # linear-attention layers: packing refused at the first packed row
+}
+PACKING_REFUSED = {"bloom": "kept attention 'eager'", "qwen3_next": "can't keep packed sequences apart"}
+
+
+@pytest.mark.parametrize("family", sorted(OTHER_FAMILIES))
+def test_other_decoder_families_follow_the_same_rule(tiny_decoders, family, tmp_path):
+    """GPT-2, GPT-NeoX, OPT, OLMo 2, SmolLM3, StarCoder2, Gemma 3, Mixtral, Qwen3-MoE, BLOOM, Qwen3-Next from tiny
+    random configs with the tokenizer without pad token: right- and left-padded logits equal each sequence alone;
+    packed too, or --padding_free refused in one line."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.for_model(family, vocab_size=2048, num_labels=3, pad_token_id=None, bos_token_id=1,
+                                  eos_token_id=2, **OTHER_FAMILIES[family])
+    results = {}
+    for free in (False, True):
+        cfg = cls.parse_config(["--model_name_or_path", str(tiny_decoders["llama"]), "--output_dir", str(tmp_path),
+                                *(["--padding_free"] if free else [])])
+        tokenizer = source.load_tokenizer(cfg)
+        torch.manual_seed(0)
+        model = AutoModelForSequenceClassification.from_config(config)
+        assert decoders.is_decoder_classifier(model) and decoders.is_decoder_config(config)
+        try:
+            model = decoders.apply(cfg, padding_free.apply(cfg, model)).eval()
+            encoded = [tokenizer(t) for t in TEXTS]
+            with torch.no_grad():
+                want = torch.cat([alone(model, e["input_ids"]) for e in encoded])
+                if free:
+                    batch = padding_free.PackingCollator(0, "sample_ids", 0, 2)([{**e, "labels": 0} for e in encoded])
+                    batch.pop("labels")
+                    results["packed"] = float((model(**batch).logits - want).abs().max())
+                else:
+                    for side in ("right", "left"):
+                        results[side] = float((model(**padded(tokenizer, encoded, side)).logits - want).abs().max())
+        except RecipeError as err:
+            assert free and PACKING_REFUSED[family] in str(err) and str(err).startswith("--padding_free: ")
+            results["packed"] = "refused"
+    print(f"{family}: {results}")
+    assert results["right"] <= LOGITS_ATOL and results["left"] <= LOGITS_ATOL
+    assert results["packed"] == "refused" if family in PACKING_REFUSED else results["packed"] <= LOGITS_ATOL
+
+
 def test_transformers_alone_stops_at_the_first_batch_without_pad_id(tiny_decoders):
     """The issue's failure, as transformers 5.23 ships it: a decoder classifier with a tokenizer without pad token
     refuses a batch of two; the recipe's model takes it, with the eos id as pad id, recorded for run_config.json."""
@@ -392,3 +456,31 @@ def test_measured_model_state_is_the_predicted_one_on_smollm2(tmp_path, lora):
         print(f"SmolLM2 ZeRO-3 {'LoRA' if lora else 'full'} rank {record['rank']}: measured / predicted "
               f"{ratio:.4f} ({record['memory']['live_tensor_bytes'] / 2**20:.1f} MiB)")
         assert abs(ratio - 1) <= MEMORY_RTOL
+
+
+def test_decoders_page_quotes_the_latest_records():
+    """docs/decoders.md gives the figures of the latest `make demo-decoder` records as they have them (each seed's eval
+    accuracy and minutes, the mean, the validation scores that chose the learning rate, which is the demo's, the
+    random-init arm) and the memory table of its results file, cell by cell."""
+    from scripts import demo_decoder
+
+    page = (REPO / "docs" / "decoders.md").read_text()
+    (demo_path, demo), (lr_path, lr), (ri_path, ri) = (demo_decoder.latest(REPO / "results", kind)
+                                                       for kind in demo_decoder.KINDS)
+    assert len(demo["runs"]) == 3 and f"**{demo['mean_accuracy']:.4f}**" in page
+    for run in demo["runs"]:
+        assert f"{run['accuracy']:.4f}" in page and f"{run['wall_s'] / 60:.1f} min" in page, run
+        assert run["learning_rate"] == demo_decoder.DEMO_LR == lr["chosen_learning_rate"]
+    for rate, accuracy in lr["validation_accuracy_by_lr"].items():
+        assert f"{rate}: {accuracy:.4f}" in page, rate
+    assert demo["random_init"]["record"] == ri_path.stem and f"{ri['mean_accuracy']:.4f}" in page
+    for path in (demo_path, lr_path, ri_path):
+        assert f"](../results/{path.stem}.md)" in page
+    memory = json.loads((REPO / "results" / "2026-11-28_decoder_memory_cpu_vm.json").read_text())
+    names = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero2_offload": "ZeRO-2 offload", "zero3": "ZeRO-3",
+             "zero3_offload": "ZeRO-3 offload", "fsdp": "FSDP2"}
+    for strategy, name in names.items():
+        cells = [memory["shapes"][shape][strategy][mode]["device_peak_gib"] for shape in memory["shapes"]
+                 for mode in ("full", "lora")]
+        row = f"| {name} | " + " | ".join(f"{v:.1f}{' ✗' if v > 80 else ''}" for v in cells) + " |"
+        assert row in page, row
