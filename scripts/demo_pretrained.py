@@ -16,7 +16,7 @@ ones), so that the learning rate is never chosen on the eval set.
 Each invocation writes results/<date>_<kind>_<device>_<host>.{json,md}: kind `pretrained` or `random_init` (eval
 split), `pretrained_lr` or `random_init_lr` (--choose_lr, validation split). A record holds every run's seed,
 learning rate, accuracy, macro-F1, steps, wall and CPU seconds, the machine's load average before and after and the
-share of the machine's CPU that other work took meanwhile (scripts/bench_load.py); the `pretrained` record also
+share of the machine's CPU that other work took meanwhile (scripts/measure/bench_load.py); the `pretrained` record also
 quotes the random-init figure from the latest `random_init` record rather than training it again.
 
 With --use_peft the runs train LoRA adapters (the recipe's --use_peft, rank --lora_r) and the head on the frozen
@@ -38,9 +38,9 @@ from statistics import mean
 
 from recipes import RecipeError
 from recipes.outputs.records import library_versions, read_jsonl
-from scripts import bench_load
-from scripts.bench import ACCELERATE, failure_reason, free_port, hardware
-from scripts.bench_report import slug
+from scripts.measure import bench_load
+from scripts.measure.bench import ACCELERATE, failure_reason, free_port, hardware
+from scripts.measure.bench_report import slug
 from scripts.fetch_pretrained import DEFAULT_DATA_DIR, DEFAULT_MODEL_DIR, WEIGHTS, check_weights, sha256_of
 from scripts.sweep import summary as t_summary
 

@@ -10,13 +10,14 @@ transformers 5.23 initialises the partitioned parameters on the GPU, whose seede
 artifacts/minilm has been staged on the machine (`make fetch-pretrained` where the registry is reachable, or the folder
 copied there: at 87 MiB it does not travel with a checkout), on that real pretrained encoder, its weight file checked
 against the pinned hash and used as it is, with only config.json's dropout set to 0:
-- the reduced `BENCH=full` profile of scripts/bench.py (profile_and_spec below): every strategy of bench.STRATEGIES (one
-  process per GPU; with one GPU each config runs with --num_processes 1; dataparallel only with 2 GPUs or more) and
-  the baselines (loop, trainer, pad128, grouped, padding_free, padding_free_grouped, unfused, eager_attn, lora,
-  alternate), in bf16, 30 optimizer steps of 16 samples per device, one round; launched, timed and measured by
-  bench's own plan_command / execute / collect. padding_free computes the same samples per step as dynamic padding,
-  so its losses are held to the same reference and bound as `single`'s, and bench's ratios give its speed-up over
-  `single` beside the bound P/R; padding_free_grouped, like grouped, trains other samples per step: timed only;
+- the reduced `BENCH=full` profile of scripts/measure/bench.py (profile_and_spec below): every strategy of
+  bench.STRATEGIES (one process per GPU; with one GPU each config runs with --num_processes 1; dataparallel only
+  with 2 GPUs or more) and the baselines (loop, trainer, pad128, grouped, padding_free, padding_free_grouped,
+  unfused, eager_attn, lora, alternate), in bf16, 30 optimizer steps of 16 samples per device, one round; launched,
+  timed and measured by bench's own plan_command / execute / collect. padding_free computes the same samples per step as
+  dynamic padding, so its losses are held to the same reference and bound as `single`'s, and bench's ratios give its
+  speed-up over `single` beside the bound P/R; padding_free_grouped, like grouped, trains other samples per step: timed
+  only;
 - the multi-machine configs (accelerate_configs/*multinode*.yaml) as two machines on this host, each with half the
   GPUs (CUDA_VISIBLE_DEVICES), machine 0's address the loopback, as tests/test_strategies.py rehearses them on CPU
   processes: each machine's own `accelerate launch --machine_rank i`, a static rendezvous, NCCL and the bf16 configs,
@@ -29,7 +30,7 @@ against the pinned hash and used as it is, with only config.json's dropout set t
 
 - fp16 with the default fused AdamW, on one GPU and under FSDP2 (one process): the recipe with step 3's logits made
   NaN (the probe's fault nan:3:0), a real loss-scale overflow; the run must count the step as skipped, hold the
-  learning-rate schedule there and finish (recipes/training/strategy.py OverflowCheck: before it, Accelerate 1.15.0
+  learning-rate schedule there and finish (recipes/training/optimizer_step.py OverflowCheck: before it, Accelerate 1.15.0
   reported the fused kernel's skipped step as taken and the non-finite guard stopped the run);
 
 and per config: status, its per-step losses and the reference's, max and mean |difference| and a verdict against
@@ -258,7 +259,7 @@ def outer(args) -> int:
 def profile_and_spec(model_dir: Path, pretrained: bool = False):
     """The reduced BENCH=full profile (one model: the roberta-base shape, or the staged pretrained encoder; bf16, one
     round) and its model."""
-    from scripts import bench
+    from scripts.measure import bench
 
     spec = bench.ModelSpec("minilm" if pretrained else "roberta-base", str(model_dir), False, "bf16", RATE)
     # 10 warm-up steps, bench's own: the probe counts the collectives of steps 3-6 (slowed by its dispatch mode) and
@@ -286,7 +287,7 @@ def plan_parts(n_gpus: int, profile, only: tuple = ()) -> list[Part]:
     """Every part in order: the models, DeepSpeed's ops, a reference per effective batch, the bench runs, the fp16
     overflow runs, the multi-machine configs. With `only`, the runs not named are skipped as not selected (and
     DeepSpeed's ops are built only for a selected offload config)."""
-    from scripts import bench
+    from scripts.measure import bench
 
     runs = [name for name, _ in bench.schedule_runs((*bench.STRATEGIES, *bench.BASELINES), 1)]
     skips = {name: bench.skip_reason(bench.Run(model="-", name=name, kind="strategy"), n_gpus) for name in runs}
@@ -321,7 +322,7 @@ def run_step(command: list, timeout: float, env=None) -> subprocess.CompletedPro
         try:
             out, _ = proc.communicate(timeout=max(1.0, timeout))
         except subprocess.TimeoutExpired:
-            from scripts import processes
+            from scripts.measure import processes
 
             processes.kill_launch(proc)
             proc.communicate()
@@ -401,7 +402,7 @@ def build_ops(timeout: float, retry: bool) -> str:
     if retry:  # this part was killed at the hard limit: its lock would make every later build wait forever
         from torch.utils.cpp_extension import get_default_build_root
 
-        from recipes.training.strategy import held_open
+        from recipes.workarounds.torch import held_open
 
         base = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
         for lock in [*base.glob("*/lock"), *base.glob("*/*/lock")]:
@@ -426,14 +427,14 @@ def fresh_run_dir(run, run_dir: Path) -> Path:
 
 def execute_bench_run(name: str, spec, profile, n_gpus: int, runs_dir: Path, shape, deadline: float):
     """One run of bench's schedule, as run_bench runs it (bench.run_one), ended by the invocation's hard limit."""
-    from scripts import bench
+    from scripts.measure import bench
 
     return bench.run_one(spec, name, 0, limited(profile, deadline), runs_dir, "recipes/cls.py", n_gpus, shape, {})
 
 
 def execute_reference(batch: int, spec, profile, n_gpus: int, runs_dir: Path, shape, deadline: float):
     """The recipe on one GPU in fp32 with full-precision matmuls at effective batch `batch`."""
-    from scripts import bench
+    from scripts.measure import bench
 
     fp32 = replace(spec, precision="fp32")
     run = bench.Run(model=spec.name, name="single", kind="reference")
@@ -460,7 +461,7 @@ FP16_STEPS = 8
 def execute_fp16(name: str, spec, profile, n_gpus: int, runs_dir: Path, shape, deadline: float):
     """The recipe under fp16 on one GPU (`fp16_single`: single.yaml; `fp16_fsdp`: fsdp.yaml with one process) with
     the default fused AdamW, step FP16_FAULT_STEP's logits made NaN by the probe: a real loss-scale overflow."""
-    from scripts import bench
+    from scripts.measure import bench
 
     config = name.removeprefix("fp16_")
     run = bench.Run(model=spec.name, name=name, kind="fp16", precision="fp16", effective_batch=profile.per_device_batch)
@@ -508,7 +509,7 @@ def spawn(command: list, log_path: Path, env: dict):
 def execute_multinode(name: str, spec, profile, n_gpus: int, runs_dir: Path, shape, deadline: float):
     """A multi-machine config as two machines on this host: machine 1 in the background, machine 0 through
     bench.execute; each sees half the GPUs, and machine 0's address is the loopback."""
-    from scripts import bench
+    from scripts.measure import bench
 
     strategy = MULTINODE[name]
     world = machines_world(n_gpus, profile)
@@ -535,7 +536,7 @@ def execute_multinode(name: str, spec, profile, n_gpus: int, runs_dir: Path, sha
         pass
     finally:
         if other.poll() is None:
-            from scripts import processes
+            from scripts.measure import processes
 
             processes.kill_launch(other)
     if run.status == "ok" and other.returncode != 0:
@@ -550,7 +551,7 @@ def execute_multinode(name: str, spec, profile, n_gpus: int, runs_dir: Path, sha
 def add_mfu(run, shape, n_gpus: int, profile, peaks: dict) -> None:
     """Model FLOP/s and MFU of a multi-machine run as bench.run_one computes them for its own runs, over the peak of
     every GPU the run computed on; None where the GPU is not in bench.GPU_PEAK_FLOPS."""
-    from scripts import bench
+    from scripts.measure import bench
 
     if run.status != "ok" or not run.tokens_per_s:
         return
@@ -605,7 +606,8 @@ def run_checks(budget: float = BUDGET_S, started: float | None = None, hard_limi
     """Run the parts that the budget holds; write the results once every part is done."""
     import torch
 
-    from scripts import bench, memory_model
+    from scripts import memory_model
+    from scripts.measure import bench
 
     started = now() if started is None else started
     deadline = started + hard_limit
@@ -731,8 +733,8 @@ def config_label(run: dict) -> str:
     if name == "dataparallel":
         return "python recipes/cls.py --data_parallel"
     if name in ("loop", "trainer", "alternate"):
-        return f"scripts/bench_baselines.py {name}"
-    from scripts import bench
+        return f"scripts/measure/bench_baselines.py {name}"
+    from scripts.measure import bench
 
     flags = "".join(f" {flag}" for flag in bench.RECIPE_VARIANTS.get(name, []))
     yaml = "single" if name in bench.RECIPE_VARIANTS else name
@@ -795,8 +797,8 @@ def gpu_info(n_gpus: int) -> dict:
 
 
 def build_results(state: dict, parts: list, profile, spec, n_gpus: int, only: tuple = ()) -> dict:
-    from scripts import bench
-    from scripts.bench_report import ratios
+    from scripts.measure import bench
+    from scripts.measure.bench_report import ratios
 
     peaks = {spec.precision: bench.device_peak_flops(spec.precision, n_gpus, 1)}
 
@@ -872,7 +874,7 @@ def config_table(results: dict) -> str:
 
 
 def render_markdown(results: dict) -> str:
-    from scripts.bench_report import markdown_table, ratio_lines
+    from scripts.measure.bench_report import markdown_table, ratio_lines
 
     hw, v, w = results["hardware"], results["versions"], results["work"]
     gpu = hw["gpu"]
@@ -901,8 +903,8 @@ def render_markdown(results: dict) -> str:
              "Model state: bytes of the live tensors of the largest rank after training and the final evaluation "
              "(recipes/model/memstats.py) against scripts/memory_model.py; CUDA: torch.cuda.max_memory_allocated / "
              "max_memory_reserved of the largest rank. MFU: 6 x parameters x tokens/s plus attention, over the bf16 "
-             "data-sheet peak of the GPUs the run used (scripts/bench.py GPU_PEAK_FLOPS). Per-step losses: the .json "
-             "beside this file.", "", *fp16_lines(results), "## Reduced `BENCH=full` table", "",
+             "data-sheet peak of the GPUs the run used (scripts/measure/bench.py GPU_PEAK_FLOPS). Per-step losses: "
+             "the .json beside this file.", "", *fp16_lines(results), "## Reduced `BENCH=full` table", "",
              markdown_table(results["bench"]), "",
              *ratio_lines(results["bench"]), ""]
     return "\n".join(lines) + "\n"
@@ -928,7 +930,7 @@ def fp16_lines(results: dict) -> list[str]:
 
 
 def write_results(results: dict, results_dir: Path) -> dict:
-    from scripts.bench_report import slug, unused_stem
+    from scripts.measure.bench_report import slug, unused_stem
 
     gpu = results["hardware"]["gpu"]
     results_dir.mkdir(parents=True, exist_ok=True)
@@ -957,7 +959,7 @@ def inner(args) -> int:
 
 def selection(text: str) -> tuple:
     """--only's names (in .venv-gpu: bench needs the pinned stack); SystemExit with one line for an unknown one."""
-    from scripts import bench
+    from scripts.measure import bench
 
     known = (*bench.STRATEGIES, *bench.BASELINES, *MULTINODE, *(f"fp16_{name}" for name in FP16_CONFIGS))
     names = tuple(n.strip() for n in text.split(",") if n.strip())

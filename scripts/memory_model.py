@@ -9,7 +9,7 @@ CUDA context and the unsharded parameters FSDP / ZeRO-3 gather for one layer at 
 The ZeRO paper counts mixed-precision Adam as 16 bytes per parameter (2 bf16 weights + 2 bf16 grads + K=12: 4 fp32
 master + 8 fp32 moments); fp32 Adam is 16 as well (4 + 4 + 8). What each library keeps is not always that split.
 Every rule below was read in the source of the pinned versions (torch 2.13.0, accelerate 1.15.0, deepspeed 0.19.8)
-and checked against recipes/model/memstats.py on CPU (scripts/bench.py prints the ratio for every run):
+and checked against recipes/model/memstats.py on CPU (scripts/measure/bench.py prints the ratio for every run):
 
 DDP (Accelerate, also one process): parameters stay fp32 and bf16 is torch.autocast, which casts weights per op and
   frees the casts with the activations, so fp32 or bf16 hold the same 4 B params + 4 B grads + 8 B Adam. Gradients
@@ -146,7 +146,7 @@ def lora_skeleton(model, lora_r: int):
 
     flags = SimpleNamespace(use_peft=True, lora_r=lora_r, lora_alpha=adapters.LORA_DEFAULTS["lora_alpha"],
                             lora_dropout=0.0, lora_target_modules=None, model_name_or_path="", revision="main",
-                            cache_dir=None, trust_remote_code=False)
+                            cache_dir=None, trust_remote_code=False, ignore_mismatched_sizes=False)
     with torch.device("meta"):
         return adapters.apply(flags, model)
 
@@ -275,7 +275,7 @@ COMM_TERMS = {
     "fsdp": [("all_gather", 2, "parameters"), ("reduce_scatter", 1, "gradients")],
 }
 # Strategies whose gradients travel in fp32 whatever the compute dtype: DDP keeps fp32 gradients under bf16 autocast;
-# FSDP2 reduces in fp32 (recipes/training/strategy.py reduce_fsdp_gradients_in_fp32).
+# FSDP2 reduces in fp32 (recipes/workarounds/accelerate.py reduce_fsdp_gradients_in_fp32).
 FP32_GRADIENTS = ("ddp", "fsdp")
 
 

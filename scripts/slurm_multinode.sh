@@ -2,6 +2,7 @@
 # Multi-node DDP fine-tuning on SLURM: one `accelerate launch` per node, each starting one process per GPU.
 #   sbatch scripts/slurm_multinode.sh                                   # tiny model, the defaults below
 #   sbatch --nodes=4 scripts/slurm_multinode.sh --model_name_or_path roberta-base --output_dir runs/rb-4n
+#   ACCELERATE_CONFIG=accelerate_configs/zero2_multinode.yaml sbatch scripts/slurm_multinode.sh ...   # ZeRO-2
 # Arguments are recipe flags (recipes/cls.py). Submit from the repository root: the configs are relative paths.
 # Expect in slurm-<jobid>.out, from node 0: "training ... on <nodes x GPUs> process(es), MULTI_GPU", then
 # "eval accuracy ...". Edit the #SBATCH lines for your cluster (partition, account, time).
@@ -35,7 +36,9 @@ MAIN_IP=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 # A port derived from the job id, so two jobs sharing a node do not fight over one port.
 MAIN_PORT=$((20000 + SLURM_JOB_ID % 10000))
 NUM_PROCESSES=$((SLURM_NNODES * GPUS_PER_NODE))
-export MAIN_IP MAIN_PORT NUM_PROCESSES
+# Any multi-machine accelerate config: the launch line below sets its machines, processes, rank and address.
+ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-accelerate_configs/multinode.yaml}
+export MAIN_IP MAIN_PORT NUM_PROCESSES ACCELERATE_CONFIG
 # export NCCL_SOCKET_IFNAME=ib0      # uncomment, with your interface, if NCCL picks the wrong network
 # export NCCL_DEBUG=WARN
 # After the SIGTERM, torch's elastic agent gives the workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (torch 2.13.0's
@@ -66,8 +69,9 @@ fi
 MARKER="$OUTPUT_DIR/checkpoints/PREEMPTED"
 rm -f "$MARKER"  # a marker left by an earlier run is not this run's
 
-# Fail here, in seconds, rather than on every node after the data is tokenized: bad flags, bad config.
-python scripts/check_config.py accelerate_configs/multinode.yaml "$@"
+# Fail here, in seconds, rather than on every node after the data is tokenized: bad flags, bad config, a process
+# count the config cannot split over the machines. The same counts as the launch below.
+python scripts/check_config.py "$ACCELERATE_CONFIG" --num_processes "$NUM_PROCESSES" --num_machines "$SLURM_NNODES" "$@"
 
 echo "nodes: $SLURM_JOB_NODELIST; main: $MAIN_IP:$MAIN_PORT; processes: $NUM_PROCESSES ($GPUS_PER_NODE per node)"
 # Single quotes: $SLURM_NODEID must be expanded by each node's own task (0, 1, ...), not here on node 0.
@@ -75,7 +79,7 @@ echo "nodes: $SLURM_JOB_NODELIST; main: $MAIN_IP:$MAIN_PORT; processes: $NUM_PRO
 # --cpus-per-task again for srun: Slurm 22.05 to 23.02 does not pass sbatch's value on to srun's tasks.
 # In the background, so that the USR1 trap runs while the launch goes on (bash runs traps between commands only).
 srun --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" bash -c '
-    exec accelerate launch --config_file accelerate_configs/multinode.yaml \
+    exec accelerate launch --config_file "$ACCELERATE_CONFIG" \
         --num_machines "$SLURM_NNODES" \
         --num_processes "$NUM_PROCESSES" \
         --machine_rank "$SLURM_NODEID" \

@@ -304,13 +304,32 @@ def open_study(args, space=None):
                                 sampler=sampler, pruner=pruner)
     setup = {"space": space, "seeds": args.seeds, "fixed": args.fixed, "metric": args.metric,
              "config_file": args.config_file, "num_processes": args.num_processes}
-    # More values or seeds extend a sweep (its finished trials stay); anything else that shapes a trial starts anew.
+    # More grid values or seeds extend a sweep (its finished trials stay); anything else that shapes a trial is
+    # another sweep: refused here, before the storage is written to.
     before, now = study.user_attrs.get("setup"), json.loads(json.dumps(setup))
     shape = ("fixed", "metric", "config_file", "num_processes")
-    if before and ([before[k] for k in shape] != [now[k] for k in shape] or set(before["space"]) != set(space)):
-        fail(f"{storage} holds a sweep of another setup ({before}); use another --output_dir")
+    changed = [f"{k} {json.dumps(before[k])} -> {json.dumps(now[k])}" for k in shape if before and before[k] != now[k]]
+    changed += space_changes(before["space"], now["space"]) if before else []
+    if changed:
+        fail(f"{storage} holds a sweep of another setup: {'; '.join(changed)}; only more grid values or more seeds "
+             "extend a sweep: give this one another --output_dir")
     study.set_user_attr("setup", setup)
     return study
+
+
+def space_changes(before: dict, now: dict) -> list[str]:
+    """What a new space changes of the one a sweep was started with, other than grid values added."""
+    changed = [f"{name} added" for name in now if name not in before]
+    changed += [f"{name} removed" for name in before if name not in now]
+    for name in (n for n in now if n in before):
+        old, new = before[name], now[name]
+        if isinstance(old, list) and isinstance(new, list):
+            gone = [v for v in old if v not in new]
+            if gone:
+                changed.append(f"{name} values {json.dumps(gone)} removed")
+        elif old != new:
+            changed.append(f"{name} {json.dumps(old)} -> {json.dumps(new)}")
+    return changed
 
 
 def plan(args, study, space: dict):
@@ -388,15 +407,33 @@ def t_quantile(p: float, df: int) -> float:
     return (lo + hi) / 2
 
 
-def summary(values: list[float]) -> dict:
-    """Mean, sample standard deviation and the 95% Student's t interval over n seeds (n = 1: no interval)."""
+# The range of each bounded score eval.jsonl reports (recipes/metrics); a further evaluation set's prefix them
+# (mismatched_accuracy).
+BOUNDS = {**dict.fromkeys(("accuracy", "f1_macro", "f1", "micro_f1", "macro_f1", "exact_match"), (0.0, 1.0)),
+          **dict.fromkeys(("matthews_correlation", "pearson", "spearman"), (-1.0, 1.0))}
+
+
+def metric_bounds(metric: str) -> tuple[float, float] | None:
+    """The range a metric's values lie in (None: unbounded, e.g. a loss)."""
+    return BOUNDS.get(metric) or next((b for name, b in BOUNDS.items() if metric.endswith("_" + name)
+                                       and metric[:-len(name) - 1] not in BOUNDS), None)
+
+
+def summary(values: list[float], bounds: tuple[float, float] | None = None) -> dict:
+    """Mean, sample standard deviation and the 95% Student's t interval over n seeds (n = 1: no interval). With
+    `bounds`, the interval is cut to the metric's range (the t interval assumes an unbounded normal mean: a few seeds
+    near 1 would otherwise reach past it), and `ci95_clipped` says whether it was."""
     n = len(values)
     mean = statistics.fmean(values)
     if n < 2:
         return {"n": n, "mean": mean, "std": None, "ci95": None}
     std = statistics.stdev(values)
     half = t_quantile(0.975, n - 1) * std / math.sqrt(n)
-    return {"n": n, "mean": mean, "std": std, "ci95": [mean - half, mean + half]}
+    low, high = mean - half, mean + half
+    if bounds is None:
+        return {"n": n, "mean": mean, "std": std, "ci95": [low, high]}
+    clipped = [max(low, bounds[0]), min(high, bounds[1])]
+    return {"n": n, "mean": mean, "std": std, "ci95": clipped, "ci95_clipped": clipped != [low, high]}
 
 
 def build_report(study, out: Path) -> dict:
@@ -419,14 +456,17 @@ def build_report(study, out: Path) -> dict:
         if t.state == optuna.trial.TrialState.COMPLETE:
             entry["values"][str(row["seed"])] = t.value
             entry["command"] = entry["command"] or t.user_attrs.get("command")
-    configs = [dict(e, **summary(list(e["values"].values()))) for e in per_config.values() if e["values"]]
+    bounds = metric_bounds(metric)
+    configs = [dict(e, **summary(list(e["values"].values()), bounds)) for e in per_config.values() if e["values"]]
     configs.sort(key=lambda e: -e["mean"] if maximize else e["mean"])
     best = configs[0] if configs else None
     for entry in configs[1:]:
         seeds = sorted(set(best["values"]) & set(entry["values"]), key=int)
         diffs = [best["values"][s] - entry["values"][s] for s in seeds]
         entry["paired_difference"] = dict(summary(diffs), seeds=[int(s) for s in seeds]) if diffs else None
-    report = {"metric": metric, "greater_is_better": maximize, "interval": "95% Student's t over seeds",
+    interval = "95% Student's t over seeds" + (f", cut to the metric's range [{bounds[0]:g}, {bounds[1]:g}]"
+                                                  if bounds else "")
+    report = {"metric": metric, "greater_is_better": maximize, "interval": interval, "bounds": bounds,
               "space": space, "seeds": setup["seeds"], "configurations": configs, "trials": trials,
               "best": {"config": best["config"], "command": best["command"]} if best else None}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -443,12 +483,16 @@ def fmt(x) -> str:
 def markdown(report: dict) -> str:
     m = report["metric"]
     lines = [f"# Sweep report: {m} ({'higher' if report['greater_is_better'] else 'lower'} is better)", "",
-             f"Per configuration: mean, sample standard deviation and 95% confidence interval over the seeds "
-             f"(Student's t with n - 1 degrees of freedom; n = 1 gives no interval). Paired difference: the best "
-             f"configuration minus this one, seed by seed over the seeds both have.", "",
+             "Per configuration: mean, sample standard deviation and 95% confidence interval over the seeds "
+             "(Student's t with n - 1 degrees of freedom; n = 1 gives no interval"
+             + (f"; an interval reaching past the metric's range [{report['bounds'][0]:g}, {report['bounds'][1]:g}] "
+                "is cut at its end, marked *" if report.get("bounds") else "")
+             + "). Paired difference: the best configuration minus this one, seed by seed over the seeds both have "
+             "(not cut: a difference may take either sign).", "",
              "| configuration | n | mean | std | 95% CI | best - this (paired, 95% CI) |", "|---|---|---|---|---|---|"]
     for e in report["configurations"]:
-        ci = "-" if e["ci95"] is None else f"[{fmt(e['ci95'][0])}, {fmt(e['ci95'][1])}]"
+        ci = "-" if e["ci95"] is None else f"[{fmt(e['ci95'][0])}, {fmt(e['ci95'][1])}]" + (
+            "*" if e.get("ci95_clipped") else "")
         d = e.get("paired_difference")
         diff = "(best)" if e is report["configurations"][0] else "-" if not d else (
             f"{fmt(d['mean'])}" + ("" if d["ci95"] is None else f" [{fmt(d['ci95'][0])}, {fmt(d['ci95'][1])}]"))

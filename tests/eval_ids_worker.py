@@ -17,13 +17,13 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from recipes import cls
 from recipes.inputs import data
 from recipes.metrics import compute_metrics, load_metrics
-from recipes.training import strategy
+from recipes.training import accelerator as setup
 
 
 def main(model_dir: str, out: str, sizes: list[int]) -> None:
     cfg = cls.parse_config(["--model_name_or_path", model_dir, "--max_train_samples", "64",
                             "--per_device_eval_batch_size", "16", "--output_dir", out])
-    accelerator = strategy.make_accelerator(cfg)
+    accelerator = setup.make_accelerator(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = accelerator.prepare(AutoModelForSequenceClassification.from_pretrained(model_dir))
     seen = []

@@ -3,7 +3,7 @@
 The end of a run as DeepSpeed leaves it, in miniature: a gloo process group that a module keeps (DeepSpeed keeps its
 groups in deepspeed.utils.groups), a last all-gather on it whose Python tensors are dropped at once, then the exit.
 Usage: exit_race_worker.py [--plain]; --plain returns normally (interpreter finalization: the aborts this guards
-against), by default the process leaves through recipes.training.strategy.exit_process, as recipes/cls.py does.
+against), by default the process leaves through recipes.training.process.exit_process, as recipes/cls.py does.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from recipes.training import strategy
+from recipes.training import process
 
 dist.init_process_group("gloo")
 KEPT = dist.new_group([0, 1])
@@ -20,4 +20,4 @@ gathered = [torch.empty(1000) for _ in range(2)]
 dist.all_gather(gathered, torch.full((1000,), float(dist.get_rank())), group=KEPT, async_op=True).wait()
 del gathered
 if "--plain" not in sys.argv:
-    strategy.exit_process(0)
+    process.exit_process(0)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from recipes.outputs.records import read_jsonl
-from scripts import processes
-from scripts.bench import free_port
+from scripts.measure import processes
+from scripts.measure.bench import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable

@@ -16,7 +16,7 @@ import statistics
 
 import pytest
 
-from scripts import bench, bench_host, bench_load, bench_report
+from scripts.measure import bench, bench_host, bench_load, bench_report
 from scripts import memory_model as mm
 
 P, N = 1_000_000, 4
@@ -447,7 +447,7 @@ def test_bench_accepts_another_encoder(encoders, tmp_path):
 def test_baton_takes_turns_in_rotating_order_and_times_no_waiting(monkeypatch):
     """Three loops in threads, blocks of 2 steps after 2 warm-up steps; a fake clock that only the running loop
     advances (by its own cost per step): every timed step must record exactly its loop's cost, never another's."""
-    from scripts import bench_baselines
+    from scripts.measure import bench_baselines
 
     clock = {"now": 0.0}
     monkeypatch.setattr(bench_baselines.time, "perf_counter", lambda: clock["now"])
@@ -485,7 +485,7 @@ def test_baton_takes_turns_in_rotating_order_and_times_no_waiting(monkeypatch):
 
 
 def test_baton_hands_the_turn_on_when_a_loop_fails():
-    from scripts import bench_baselines
+    from scripts.measure import bench_baselines
 
     baton = bench_baselines.Baton(["bad", "good"], block=1, warmup=0, timeout=30)
     done, errors = [], []
@@ -522,7 +522,7 @@ def test_alternate_runs_recipe_loop_and_trainer_on_the_same_batches(tiny_model, 
     from helpers import PYTHON, REPO
 
     out = tmp_path / "alt"
-    subprocess.run([PYTHON, "scripts/bench_baselines.py", "alternate", "--model_name_or_path", str(tiny_model),
+    subprocess.run([PYTHON, "scripts/measure/bench_baselines.py", "alternate", "--model_name_or_path", str(tiny_model),
                     "--output_dir", str(out), "--max_train_samples", "64", "--batch_size", "8", "--rounds", "2",
                     "--block", "2", "--warmup_steps", "2", "--max_eval_samples", "16", "--precision", "bf16"],
                    cwd=REPO, check=True, capture_output=True, timeout=600)
@@ -760,12 +760,13 @@ def test_mfu_divides_by_every_device_the_run_computed_on():
 
 
 def test_startup_bench_times_each_side_to_its_first_step_and_stops_it(tmp_path):
-    """scripts/bench_startup.py on a 96-row cut of its data, one cold launch of each side: each side's clock stops at
-    its first record, written after the first optimizer step (the recipe's, the loop's and the Trainer's, at the
-    loss of an untrained 2-class head), and the launch is stopped there (the recipe's 2-step run never saves final/)."""
+    """scripts/measure/bench_startup.py on a 96-row cut of its data, one cold launch of each side: each side's clock
+    stops at its first record, written after the first optimizer step (the recipe's, the loop's and the Trainer's, at
+    the loss of an untrained 2-class head), and the launch is stopped there (the recipe's 2-step run never saves
+    final/)."""
     import math
 
-    from scripts import bench_startup
+    from scripts.measure import bench_startup
 
     data = tmp_path / "data"
     assert bench_startup.write_data(data, limit=96) == {"train": 96, "validation": 96}
@@ -782,7 +783,7 @@ def test_startup_bench_times_each_side_to_its_first_step_and_stops_it(tmp_path):
 
 
 def test_startup_ratios_pair_the_sides_within_each_round():
-    from scripts import bench_startup
+    from scripts.measure import bench_startup
 
     times = {"recipe": {"cold": [10.0, 12.0, 11.0], "warm": [6.0, 6.6, 6.3]},
              "loop": {"cold": [8.0, 12.0, 10.0], "warm": [6.0, 6.0, 6.0]},
@@ -802,7 +803,7 @@ def test_kernel_bench_compares_sides_that_compute_the_same(tmp_path):
     """`make bench BENCH=kernels` on the tiny model, 2 block pairs: SDPA and eager give the same logits (fp32, eval),
     fused and default AdamW the same first step, so the ratios time implementations of one computation; every pair
     gives a ratio, the summary is their mean and t interval, and the page shows each verdict."""
-    from scripts import bench_kernels
+    from scripts.measure import bench_kernels
 
     assert bench_kernels.main(["--models", "tiny", "--pairs", "2", "--results", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("*_kernels_*.json")
@@ -821,8 +822,8 @@ def test_kernel_bench_compares_sides_that_compute_the_same(tmp_path):
 
 
 def test_host_pieces_time_the_recipes_step_log_at_every_step(tmp_path):
-    """scripts/bench_host.py (docs/speed.md "Per step"): every piece gets a figure, and the StepLog it times really
-    logs each call as a step, with the batch's tokens and the loss over the samples. The figures themselves are
+    """scripts/measure/bench_host.py (docs/speed.md "Per step"): every piece gets a figure, and the StepLog it times
+    really logs each call as a step, with the batch's tokens and the loss over the samples. The figures themselves are
     timings, for the doc, not asserted here."""
     us = bench_host.pieces(number=40, repeat=2, folder=tmp_path)
     assert set(us) == {"StepLog, TensorBoard on", "accelerator.log, 3 scalars to TensorBoard", "the loop's record",
@@ -830,7 +831,7 @@ def test_host_pieces_time_the_recipes_step_log_at_every_step(tmp_path):
                        "is_lomo_available (twice in each AcceleratedOptimizer.step)",
                        "the prepared loader per batch, over the loader's", "accelerator.accumulate",
                        "AcceleratedScheduler step + get_last_lr, over the scheduler's",
-                       "strategy.clip_gradients, over clip_grad_norm_"}
+                       "optimizer_step.clip_gradients, over clip_grad_norm_"}
     assert all(math.isfinite(v) for v in us.values())
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == list(range(1, 81))  # 2 timings of 40 calls: every call one step

@@ -169,6 +169,26 @@ def test_cli(capsys, tiny_model):
         check_config.main(["--all", "--per_device_train_batch", "8"])
 
 
+def test_help_says_what_each_negated_flag_does(capsys):
+    """The checker takes the recipe's flags with the recipe's help: each --no_X says it turns X off, never X's own
+    description (which read backwards: --no_tf32 "fp32 runs use TF32")."""
+    from dataclasses import fields
+
+    from recipes.config import Config
+
+    NEGATED_HELP = {f.name: f.metadata["negated"] for f in fields(Config) if f.metadata.get("negated")}
+    with pytest.raises(SystemExit) as stop:
+        check_config.main(["--help"])
+    assert stop.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.startswith("usage: scripts/check_config.py")
+    assert {"tf32", "do_train", "do_eval", "eval_report"} <= set(NEGATED_HELP)
+    for name, line in NEGATED_HELP.items():
+        assert f"--no_{name}, --no-{name.replace('_', '-')} {line}" in text, name
+    assert "same as --do_train false" in NEGATED_HELP["do_train"] and "no TF32" in NEGATED_HELP["tf32"]
+    assert "same as --eval_report false" in NEGATED_HELP["eval_report"]
+
+
 def test_the_launch_flags_take_the_place_of_the_yamls_values(capsys, tmp_path):
     """--num_processes, --num_machines, --mixed_precision, --deepspeed_config_file: as on the accelerate launch line,
     each wins over the YAML's value, so the launch checked is the one the user will make."""
@@ -383,14 +403,14 @@ def test_each_shipped_yaml_maps_to_its_memory_model_strategy():
 
 
 def test_memory_line_is_the_model_state_plus_the_scaled_activations(tiny_model):
-    from scripts import activation_memory
+    from scripts.measure import activation_memory
     from scripts import memory_model as mm
 
     recipe = check_config.recipe_flags({"model_name_or_path": str(tiny_model), "per_device_train_batch_size": 8,
                                         "max_length": 64})
     cache = {}
     line, fits = check_config.memory_line("accelerate_configs/zero2.yaml", recipe, {"num_processes": 4}, 100.0, cache)
-    # the activations of the whole micro-batch, as scripts/activation_memory.py measures them, within 5%
+    # the activations of the whole micro-batch, as scripts/measure/activation_memory.py measures them, within 5%
     measured = activation_memory.measure(str(tiny_model), 8, 64, False)["activations"]
     assert abs(cache[False] / measured - 1) <= 0.05, (cache, measured)
     state = mm.totals(mm.predict("zero2", mm.shape_from_model(str(tiny_model)), 4, "bf16",

@@ -142,12 +142,12 @@ def test_ddp_with_accumulation_trains_the_weighted_mean_of_each_window(no_dropou
 
 
 def test_imbalanced_summary_pairs_each_seed_and_scores_what_weights_are_for(tmp_path):
-    """scripts/imbalanced.py's summary, on runs whose numbers are chosen here: per seed, balanced - plain of macro-F1,
-    balanced accuracy (mean per-class recall, as scikit-learn's balanced_accuracy_score) and minority recall, each
-    with a t interval over the seeds; the markdown states them."""
+    """scripts/measure/imbalanced.py's summary, on runs whose numbers are chosen here: per seed, balanced - plain of
+    macro-F1, balanced accuracy (mean per-class recall, as scikit-learn's balanced_accuracy_score) and minority recall,
+    each with a t interval over the seeds; the markdown states them."""
     from sklearn.metrics import balanced_accuracy_score
 
-    from scripts import imbalanced
+    from scripts.measure import imbalanced
 
     def run(seed, weighted, f1, neg, pos):
         return {"seed": seed, "weighted": weighted, "macro_f1": f1, "accuracy": 0.9, "ece": 0.01, "step": 10,

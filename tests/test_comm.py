@@ -207,14 +207,14 @@ def test_prediction_on_the_tiny_model(tiny_model):
     assert predict("zero2", shape, 4, "fp32")["total"] == pytest.approx(2 * 4 * P * 3 / 4)
     assert predict("zero2_offload", shape, 2, "bf16")["total"] == pytest.approx(2 * 2 * P / 2)
     assert predict("zero3", shape, 2, "fp32")["total"] == pytest.approx(3 * 4 * P / 2)
-    # FSDP2 gathers bf16 parameters and reduce-scatters fp32 gradients (strategy.reduce_fsdp_gradients_in_fp32)
+    # FSDP2 gathers bf16 parameters and reduce-scatters fp32 gradients (workarounds/accelerate.py reduce_fsdp_gradients_in_fp32)
     assert predict("fsdp", shape, 8, "bf16")["terms"] == pytest.approx(
         {"all_gather": 2 * 2 * P * 7 / 8, "reduce_scatter": 4 * P * 7 / 8})
     assert predict("single", shape, 1, "fp32")["total"] == 0 == predict("ddp", shape, 1, "fp32")["total"]
 
 
 def test_bench_reports_the_busiest_rank_beside_the_prediction_and_explains_departures(tiny_model):
-    from scripts import bench, bench_report
+    from scripts.measure import bench, bench_report
 
     shape = tiny_shape(tiny_model)
     P = shape.num_params
@@ -240,7 +240,7 @@ def test_bench_reports_the_busiest_rank_beside_the_prediction_and_explains_depar
 
 def test_counted_steps_end_before_the_bench_times_any():
     """The dispatch mode slows the steps it counts: they must all lie in every profile's warm-up."""
-    from scripts import bench
+    from scripts.measure import bench
 
     assert COMM_STEPS.start >= 3  # after FSDP2's / DeepSpeed's first step and DDP's bucket rebuild at the second
     assert all(profile.warmup_steps >= COMM_STEPS.stop - 1 for profile in bench.PROFILES.values())
@@ -313,6 +313,6 @@ def test_sharded_strategies_send_what_their_collectives_explain(tiny_model, tmp_
     if config == "zero3.yaml":
         # The gradients in one reduce-scatter per step: the tiny model's 1.5M parameters fit one bucket of the JSON's
         # 2e7 elements. Left at "auto" (hidden^2: 16,384 elements here) it took 30 (roberta-base shape: 148 -> 6;
-        # scripts/deepspeed_record.py records both).
+        # scripts/measure/deepspeed_record.py records both).
         steps = [s for s in rank_records(tmp_path)[0]["comm"]["steps"].values() if not s["evaluated"]]
         assert [s["collectives"]["reduce_scatter"]["calls"] for s in steps] == [1] * len(steps)

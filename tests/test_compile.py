@@ -16,11 +16,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from transformers import HfArgumentParser
 
 from helpers import fp32_launch_args, losses, no_gpu, read_jsonl, run_recipe
 from recipes import RecipeError
-from recipes.config import Config, parse_config
+from recipes.config import build_parser, parse_config
 
 LOSS_RTOL = 1e-4
 STEPS = ["--max_train_steps", "8", "--logging_steps", "1", "--report_to", "none"]
@@ -152,15 +151,15 @@ def test_fsdp_whole_model_compile_is_refused(tiny_model, monkeypatch):
 
 
 def test_flags_are_in_help():
-    text = HfArgumentParser(Config).format_help()
+    text = build_parser().format_help()
     assert all(f"--{name}" in text for name in ("torch_compile", "torch_compile_mode", "compile_regions",
                                                 "torch_compile_rng"))
 
 
 def test_bench_times_only_steps_that_compiled_nothing():
-    """scripts/bench_compile.py: a step whose graph count grew is compile time, left out of the step time; the
+    """scripts/measure/bench_compile.py: a step whose graph count grew is compile time, left out of the step time; the
     ratio is taken within a round."""
-    from scripts.bench_compile import compile_ratios, timing
+    from scripts.measure.bench_compile import compile_ratios, timing
 
     steps = [{"elapsed": e, "tokens": 100, "padded_tokens": 128, "graphs": g, "compile_s": 9.0}
              for e, g in ((10.0, 1), (11.0, 1), (12.0, 1), (22.0, 2), (23.0, 2), (24.0, 2), (28.0, 2))]
@@ -185,11 +184,11 @@ def test_bench_times_only_steps_that_compiled_nothing():
 
 
 def test_bench_runs_only_the_chosen_pair_in_its_own_results_file(monkeypatch, tmp_path):
-    """scripts/bench_compile.py --models/--dropout/--sides/--rounds/--tag: the chosen sides of the chosen pair in
-    interleaved rounds (E L, L E, ...), written to results/<date>_compile-<tag>_..., never over the whole bench's."""
+    """scripts/measure/bench_compile.py --models/--dropout/--sides/--rounds/--tag: the chosen sides of the chosen pair
+    in interleaved rounds (E L, L E, ...), written to results/<date>_compile-<tag>_..., never over the whole bench's."""
     import dataclasses
 
-    from scripts import bench, bench_compile
+    from scripts.measure import bench, bench_compile
 
     calls = []
 

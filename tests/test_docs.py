@@ -9,7 +9,8 @@ import re
 
 from helpers import REPO
 from recipes import config
-from scripts import bench_kernels, bench_report, demo_pretrained
+from scripts import demo_pretrained
+from scripts.measure import bench_kernels, bench_report
 
 DOCS = [REPO / "README.md", REPO / "README_zh.md", *sorted((REPO / "docs").glob("*.md"))]
 # The three ratios the READMEs quote, as `make bench` names them in its results file.
@@ -42,7 +43,7 @@ def test_benchmark_page_holds_the_latest_results_table():
     stem, results = latest_results()
     page = (REPO / "docs" / "benchmark.md").read_text()
     assert bench_report.BENCH_PAGE == REPO / "docs" / "benchmark.md"
-    assert "default=str(BENCH_PAGE)" in (REPO / "scripts" / "bench.py").read_text()  # --bench_page's default
+    assert "default=str(BENCH_PAGE)" in (REPO / "scripts" / "measure" / "bench.py").read_text()  # --bench_page
     block = page.split(bench_report.README_START, 1)[1].split(bench_report.README_END, 1)[0]
     assert bench_report.markdown_table(results) in block
     for line in bench_report.ratio_lines(results):
@@ -115,12 +116,19 @@ def test_help_has_a_description_an_example_and_each_default_once():
     assert helps["--learning_rate"] == "peak learning rate of AdamW (default: 2e-05)"
     assert helps["--no_tf32"] != helps["--tf32"] and "no TF32" in helps["--no_tf32"]
     assert helps["--no_do_train"] == "same as --do_train false"
+    # every --no_X flag says that it turns X off, not X's own description (HfArgumentParser copies that)
+    raw = {action.option_strings[0]: action.help for action in config.build_parser()._actions if action.option_strings}
+    negated = [option for option in raw if option.startswith("--no_")]
+    assert {"--no_tf32", "--no_do_train", "--no_do_eval", "--no_eval_report"} <= set(negated)
+    for option in negated:
+        assert raw[option] != raw["--" + option[len("--no_"):]], option
+    assert helps["--no_eval_report"].startswith("same as --eval_report false")
 
 
 def test_speed_page_quotes_the_latest_compile_results():
     """docs/speed.md gives each compiled / eager speed ratio of the latest `make bench BENCH=compile` as that bench
     prints it (median, min, max), and names its results file."""
-    from scripts import bench_compile
+    from scripts.measure import bench_compile
 
     stem, results = latest_results("compile")
     speed = (REPO / "docs" / "speed.md").read_text()
@@ -200,7 +208,7 @@ def test_make_targets_the_docs_name_exist():
 
 
 def newest_record(kind: str) -> tuple[str, dict]:
-    """The newest CPU record of `make <kind>` (scripts/run_record.py: results/<date>_<kind>_cpu_<host>.json)."""
+    """The newest CPU record of `make <kind>` (scripts/measure/run_record.py: results/<date>_<kind>_cpu_<host>.json)."""
     path = max((REPO / "results").glob(f"*_{kind}_cpu_*.json"), key=lambda p: p.name)
     return path.stem, json.loads(path.read_text())
 
@@ -221,7 +229,7 @@ def test_demo_and_pairs_figures_equal_their_records():
 def test_run_record_keeps_the_last_evaluation_and_refuses_a_run_without_one(tmp_path):
     import pytest
 
-    from scripts import run_record
+    from scripts.measure import run_record
 
     run = tmp_path / "run"
     run.mkdir()
@@ -244,17 +252,21 @@ def test_run_record_keeps_the_last_evaluation_and_refuses_a_run_without_one(tmp_
 OTHER_PROGRAMS = {"--bf16": "TrainingArguments", "--ddp_backend": "TrainingArguments",
                   "--deepspeed": "TrainingArguments", "--use_cpu": "TrainingArguments", "--deepspeed_config": "deepspeed", "--force-reinstall": "pip",
                   "--index-url": "pip", "--local-dir": "hf download", "--nproc_per_node": "torchrun",
-                  "--rdzv-endpoint": "torchrun", "--requeue": "sbatch", "--signal": "sbatch"}
+                  "--rdzv-endpoint": "torchrun", "--requeue": "sbatch", "--signal": "sbatch", "--nodes": "sbatch",
+                  "--gpus-per-node": "sbatch"}
 
 
 def test_every_flag_the_docs_name_exists():
-    """A flag in README.md, docs/ or ds_configs/README.md is the recipe's (recipes/config.py), accelerate launch's, a
-    script's of scripts/, or one of OTHER_PROGRAMS: a renamed or removed flag cannot stay in the docs."""
+    """A flag in README.md, docs/ or ds_configs/README.md is the recipe's (recipes/config.py), accelerate launch's,
+    recipes/export.py's or recipes/predict.py's, a script's of scripts/, or one of OTHER_PROGRAMS: a renamed or
+    removed flag cannot stay in the docs."""
     from accelerate.commands.launch import launch_command_parser
 
-    parsers = [config.build_parser(), launch_command_parser()]
+    from recipes import export, predict
+
+    parsers = [config.build_parser(), launch_command_parser(), export.build_parser(), predict.build_parser()]
     known = {s for parser in parsers for action in parser._actions for s in action.option_strings}
-    for path in [*(REPO / "scripts").glob("*.py"), REPO / "scripts" / "slurm_multinode.sh"]:
+    for path in [*(REPO / "scripts").rglob("*.py"), REPO / "scripts" / "slurm_multinode.sh"]:
         known |= set(re.findall(r"[\"'](--[a-z][a-z0-9_-]*)[\"']", path.read_text()))
     named = {(path.name, flag) for path in [*DOCS, REPO / "ds_configs" / "README.md"]
              for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]*)", path.read_text())}
@@ -264,7 +276,7 @@ def test_every_flag_the_docs_name_exists():
 
 def test_activation_memory_figures_equal_their_record():
     """docs/tutorials.md's activation and peak MiB with and without checkpointing are those of the newest
-    `scripts/activation_memory.py --record` file, which the page names."""
+    `scripts/measure/activation_memory.py --record` file, which the page names."""
     stem, record = newest_record("activation_memory")
     text = (REPO / "docs" / "tutorials.md").read_text()
     mib = 1024**2
@@ -277,12 +289,13 @@ def test_activation_memory_figures_equal_their_record():
 def test_deepspeed_figures_equal_their_record():
     """docs/tutorials.md's ZeRO-1 measured / predicted in bf16 (as shipped, and with fp32 gradient accumulation) and
     ds_configs/README.md's host reads per optimizer step ("Host syncs") are those of the newest
-    `python scripts/deepspeed_record.py` record, which both pages name; the fp32 figure beside them is `make
+    `python scripts/measure/deepspeed_record.py` record, which both pages name; the fp32 figure beside them is `make
     bench`'s. So are the "Bucket sizes" collective counts of ZeRO-3."""
     stem, record = newest_record("deepspeed")
     runs = record["runs"]
     assert record["world_size"] == 2 and record["precision"] == "bf16"
-    assert record["command"].startswith("python scripts/deepspeed_record.py")
+    # records written before the script moved to scripts/measure/ keep the command they ran
+    assert re.match(r"python scripts/(measure/)?deepspeed_record\.py", record["command"]), record["command"]
     # what ran, as rank 0 recorded it: the overflow check off and on, BF16_Optimizer under fp32 accumulation
     overflow_check = [runs[name]["optimizer"]["check_grad_overflow"] for name in ("zero2", "zero2_overflow_check")]
     assert overflow_check == [False, True]
@@ -383,3 +396,76 @@ def test_speed_page_quotes_the_latest_kernel_results():
                  f"{verdicts[bench_kernels.verdict(o)]} |")
         assert cells in speed, cells
         assert f"{row['max_abs_logit_diff_eval']:.1e}".replace("e-0", "e-") in speed  # 1.7e-8 as the page writes it
+
+
+def script_commands() -> list[tuple[str, list[str]]]:
+    """Every `python scripts/<...>.py ...` command the pages show, as argv: in shell blocks (continuation lines joined,
+    comments dropped) and in inline code."""
+    import shlex
+
+    found = []
+    for path in [*DOCS, REPO / "ds_configs" / "README.md"]:
+        text = path.read_text()
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+                line = line.split("  #")[0].split(" # ")[0].strip()
+                if line.startswith("python scripts/"):
+                    found.append((path.name, shlex.split(line)))
+        prose = re.sub(r"```.*?```", "", text, flags=re.S)
+        for span in re.findall(r"`([^`]+)`", prose):
+            span = " ".join(span.split())
+            if span.startswith("python scripts/"):
+                found.append((path.name, shlex.split(span)))
+    return found
+
+
+def test_script_commands_the_docs_show_parse(monkeypatch):
+    """Each `python scripts/...` command of README.md, README_zh.md, docs/ and ds_configs/README.md parses with its
+    script's own parser (a missing required flag or an unknown one fails): `bench_baselines.py alternate --rounds 4`
+    without the flags it requires was shown once. The parse is stopped before the script does any work."""
+    import argparse
+    import importlib
+    import inspect
+
+    class Parsed(Exception):
+        pass
+
+    real = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        real(self, args, namespace)  # SystemExit(2) on a missing or unknown flag
+        raise Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    commands = [(page, argv) for page, argv in script_commands()
+                if not any("..." in a or "|" in a for a in argv)]  # a placeholder list of choices is not a command
+    scripts = {argv[1] for _, argv in commands}
+    assert {"scripts/measure/bench_baselines.py", "scripts/check_config.py", "scripts/sweep.py"} <= scripts, scripts
+    for page, argv in commands:
+        module = importlib.import_module(argv[1].removesuffix(".py").replace("/", "."))
+        if not inspect.signature(module.main).parameters:  # a script that takes no arguments (build_deepspeed_ops)
+            assert argv[2:] == [], f"{page}: {' '.join(argv)}: {argv[1]} takes no arguments"
+            continue
+        try:
+            module.main(argv[2:])
+        except Parsed:
+            continue
+        except SystemExit as stop:
+            raise AssertionError(f"{page}: {' '.join(argv)} does not parse (exit {stop.code})") from None
+        raise AssertionError(f"{page}: {' '.join(argv)}: {argv[1]} parsed nothing")
+
+
+def test_checkpoints_page_holds_the_whole_resume_contract():
+    """docs/checkpoints.md's table is the one contract.py makes from its tables (each compared flag, the derived
+    entries, the launch), and every Config field is in it or exempt with a reason."""
+    from dataclasses import fields
+
+    from recipes.checkpoints import contract
+    from recipes.config import Config
+
+    page = (REPO / "docs" / "checkpoints.md").read_text()
+    start = page.index("\n", page.index("<!-- contract table")) + 1
+    table = contract.markdown_table(Config)
+    assert page[start:page.index("<!-- end of contract table -->")] == table
+    for f in fields(Config):
+        assert (f"`--{f.name}`" in table) == (f.name in contract.compared(Config)), f.name

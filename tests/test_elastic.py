@@ -95,6 +95,9 @@ def assert_same_training(ref, ref_procs: int, resumed, procs: int, label: str) -
     assert rank_records(resumed)[0]["epochs"][0] == {"epoch": 1, "batch_sampler": "SkipBatchSampler",
                                                      "skipped_batches": SAMPLES_AT_RESUME // (8 * procs)}
     assert read_jsonl(resumed / "eval.jsonl")[-1]["accuracy"] == read_jsonl(ref / "eval.jsonl")[-1]["accuracy"]
+    # allowed without --force_resume, and recorded (the model card lists it too)
+    changes = json.loads((resumed / "run_config.json").read_text())["training_contract"]["changes"]
+    assert changes == [{"name": "world_size", "before": ref_procs, "after": procs, "step": RESUME_STEP}]
     return delta
 
 

@@ -165,6 +165,27 @@ def test_one_clipped_step_matches_the_hand_computation(encoders, tmp_path, confi
         assert free_update > 1000 * update
 
 
+def test_build_offline_model_puts_another_architecture_in_its_own_folder(tmp_path, monkeypatch, capsys):
+    """`scripts/build_offline_model.py --arch bert` without --output_dir writes artifacts/tiny-bert, a BERT classifier
+    that loads, and leaves artifacts/tiny-roberta (make demo's and the tests' model) alone; without --arch the default
+    stays artifacts/tiny-roberta, and --output_dir still names the folder."""
+    from transformers import AutoConfig
+
+    from scripts import build_offline_model
+
+    assert build_offline_model.parse_args([]).output_dir == "artifacts/tiny-roberta"
+    assert build_offline_model.parse_args(["--arch", "mpnet"]).output_dir == "artifacts/tiny-mpnet"
+    assert build_offline_model.parse_args(["--arch", "bert", "--output_dir", "m/b"]).output_dir == "m/b"
+    monkeypatch.chdir(tmp_path)  # the default folder is relative to the current directory, as in the Makefile
+    (tmp_path / "artifacts" / "tiny-roberta").mkdir(parents=True)
+    (tmp_path / "artifacts" / "tiny-roberta" / "config.json").write_text("{}")
+    build_offline_model.main(["--arch", "bert"])
+    assert json.loads((tmp_path / "artifacts" / "tiny-roberta" / "config.json").read_text()) == {}
+    assert AutoConfig.from_pretrained(tmp_path / "artifacts" / "tiny-bert").model_type == "bert"
+    assert sorted(p.name for p in (tmp_path / "artifacts").iterdir()) == ["tiny-bert", "tiny-roberta"]
+    assert "\nartifacts/tiny-bert: tiny bert sequence classifier" in "\n" + capsys.readouterr().out
+
+
 def test_memory_model_accepts_other_encoders(encoders):
     shape = memory_model.shape_from_model(str(encoders["distilbert"]))
     layers = sum(p.numel() for n, p in load_file(encoders["distilbert"] / "model.safetensors").items()

@@ -28,7 +28,8 @@ import torch
 from packaging.specifiers import SpecifierSet
 
 from helpers import PYTHON, REPO
-from scripts import bench, gpu_check, gpu_wheels
+from scripts import gpu_check, gpu_wheels
+from scripts.measure import bench
 from scripts import memory_model as mm
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -301,7 +302,7 @@ def test_fake_gpu_run_resumes_by_parts_and_writes_every_field(fake_gpus, tmp_pat
     md = json_path.with_suffix(".md").read_text()
     assert "## Configs" in md and "## Reduced `BENCH=full` table" in md and "## fp16 with fused AdamW" in md
     assert "| model | run | procs | threads | precision | samples/s |" in md  # bench's own table
-    assert sum(line.startswith("| accelerate_configs/") or line.startswith("| scripts/bench_baselines.py")
+    assert sum(line.startswith("| accelerate_configs/") or line.startswith("| scripts/measure/bench_baselines.py")
                or line.startswith("| python recipes/cls.py") for line in md.splitlines()) == \
         len(configs) + len(results["fp16_overflow"])
     assert md.count("OUTSIDE bound") == 1 and "2x NVIDIA H100 80GB HBM3" in md
@@ -477,11 +478,11 @@ def test_a_timed_out_step_kills_the_ranks_that_run_in_their_own_sessions(tmp_pat
 
 
 def test_first_steps_runs_each_variant_on_its_own_batches(monkeypatch):
-    """scripts/padding_free_gpu.py --first_steps rehearsed on CPU (the CUDA calls stood in for, the tiny model): each
-    variant trains the default data's first micro-batches with its own flags (padded batches rounded to 8, packed
+    """scripts/measure/padding_free_gpu.py --first_steps rehearsed on CPU (the CUDA calls stood in for, the tiny model):
+    each variant trains the default data's first micro-batches with its own flags (padded batches rounded to 8, packed
     rows to 64, the cuDNN switch as named), one timing per micro-batch after one untimed."""
     from helpers import TINY
-    from scripts import padding_free_gpu
+    from scripts.measure import padding_free_gpu
 
     monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
     monkeypatch.setattr(torch.nn.Module, "cuda", lambda self, *a, **k: self)

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,9 +25,10 @@ from recipes.checks import launch_checks
 from recipes.cls import Config, parse_config
 from recipes.inputs import data
 from recipes.outputs import records
-from recipes.testing.probe import Probe
-from recipes.training import strategy
-from scripts import bench, check_config
+from recipes.training import accelerator as setup, optimizer_step
+from recipes.workarounds import torch as torch_fixes
+from scripts import check_config
+from scripts.measure import bench
 
 
 def test_output_dir_not_shared_stops_both_machines_at_start_up(tiny_model, tmp_path):
@@ -87,7 +89,9 @@ def test_suite_hides_gpus_and_multinode_config_ships_no_address():
 
 def test_slurm_script_with_stub_srun_and_scontrol(tiny_model, tmp_path):
     """scripts/slurm_multinode.sh under stub srun/scontrol/accelerate: one launch per node with its machine rank,
-    nodes x GPUs processes, the first node as the address, and --cpus-per-task handed on to srun."""
+    nodes x GPUs processes, the first node as the address, and --cpus-per-task handed on to srun; the config checker
+    (run for real) gets the launch's config and its process and machine counts first. ACCELERATE_CONFIG names another
+    config for both."""
     bin_dir, calls, submit = tmp_path / "bin", tmp_path / "calls.txt", tmp_path / "submit"
     bin_dir.mkdir()
     submit.mkdir()  # the repository without .venv: the script would activate it and find the real accelerate first
@@ -98,7 +102,7 @@ def test_slurm_script_with_stub_srun_and_scontrol(tiny_model, tmp_path):
         "srun": 'echo "srun $*" >> "$CALLS"; while [[ "$1" == --* ]]; do shift; done\n'
                 'for n in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$n "$@"; done',
         "accelerate": 'echo "accelerate $*" >> "$CALLS"',
-        "python": f'exec {PYTHON} "$@"',
+        "python": f'echo "python $*" >> "$CALLS"; exec {PYTHON} "$@"',
     }
     for name, body in stubs.items():
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
@@ -106,25 +110,40 @@ def test_slurm_script_with_stub_srun_and_scontrol(tiny_model, tmp_path):
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls), "SLURM_NNODES": "2",
            "SLURM_JOB_NODELIST": "gpu-node-[17-18]", "SLURM_JOB_ID": "4242", "SLURM_GPUS_ON_NODE": "4",
            "SLURM_CPUS_PER_TASK": "16", "SLURM_SUBMIT_DIR": str(submit)}
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "slurm_multinode.sh")], cwd=submit, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = calls.read_text().splitlines()
-    assert lines[0].startswith("srun --kill-on-bad-exit=1 --cpus-per-task=16 bash -c")
-    launches = [line.split() for line in lines if line.startswith("accelerate launch")]
-    assert len(launches) == 2
-    for rank, args in enumerate(launches):
-        flags = dict(zip(args, args[1:]))
-        assert flags["--machine_rank"] == str(rank) and flags["--num_processes"] == "8"
-        assert flags["--num_machines"] == "2" and flags["--main_process_ip"] == "gpu-node-17"
-        assert flags["--main_process_port"] == str(20000 + 4242 % 10000)
+    env.pop("ACCELERATE_CONFIG", None)
+    for config in ("accelerate_configs/multinode.yaml", "accelerate_configs/zero2_multinode.yaml"):
+        calls.unlink(missing_ok=True)
+        chosen = {} if config.endswith("/multinode.yaml") else {"ACCELERATE_CONFIG": config}
+        proc = subprocess.run(["bash", str(REPO / "scripts" / "slurm_multinode.sh")], cwd=submit,
+                              env={**env, **chosen}, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        lines = calls.read_text().splitlines()
+        check = lines[0].split()
+        assert check[:3] == ["python", "scripts/check_config.py", config], lines[0]
+        assert dict(zip(check, check[1:]))["--num_processes"] == "8" and dict(zip(check, check[1:]))[
+            "--num_machines"] == "2", lines[0]
+        assert lines[1].startswith("srun --kill-on-bad-exit=1 --cpus-per-task=16 bash -c")
+        launches = [line.split() for line in lines if line.startswith("accelerate launch")]
+        assert len(launches) == 2
+        for rank, args in enumerate(launches):
+            flags = dict(zip(args, args[1:]))
+            assert flags["--config_file"] == config
+            assert flags["--machine_rank"] == str(rank) and flags["--num_processes"] == "8"
+            assert flags["--num_machines"] == "2" and flags["--main_process_ip"] == "gpu-node-17"
+            assert flags["--main_process_port"] == str(20000 + 4242 % 10000)
+    # a misspelt flag stops the job at the pre-check, before any launch
+    calls.unlink()
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "slurm_multinode.sh"), "--learning_rat", "1e-5"],
+                          cwd=submit, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "unrecognized arguments: --learning_rat" in proc.stderr
+    assert not any(line.startswith("srun") for line in calls.read_text().splitlines())
 
 
 @pytest.mark.multiproc
 def test_processes_end_without_aborting_at_interpreter_exit():
     """A zero3_offload launch finished, wrote final/, and a rank then died with "terminate called without an active
     exception" (exit -6): a gloo worker thread freeing the tensors of the last collective needed the GIL while the
-    interpreter was being finalized. The recipe leaves through strategy.exit_process instead. 8 launches of 2 ranks
+    interpreter was being finalized. The recipe leaves through training/process.py exit_process instead. 8 launches of 2 ranks
     that end right after an all-gather on a group a module keeps, as DeepSpeed's: every exit code 0. With `--plain`
     (a normal exit) 10 of 20 such launches aborted on this machine, so 8 clean exits of a broken exit path happen
     with a chance of about 0.5^8."""
@@ -141,20 +160,20 @@ def test_stale_extension_lock_is_reported_not_waited_on(tmp_path):
     lock = tmp_path / "shm_comm" / "lock"
     lock.parent.mkdir()
     lock.touch()
-    strategy.check_extension_locks(str(tmp_path))  # fresh: a build may be running
-    old = time.time() - 10 * strategy.STALE_LOCK_SECONDS
+    torch_fixes.check_extension_locks(str(tmp_path))  # fresh: a build may be running
+    old = time.time() - 10 * torch_fixes.STALE_LOCK_SECONDS
     os.utime(lock, (old, old))
     with open(lock):  # held open, as torch's FileBaton holds it while building
-        strategy.check_extension_locks(str(tmp_path))
+        torch_fixes.check_extension_locks(str(tmp_path))
     with pytest.raises(RecipeError, match=f"delete it \\(rm {lock}\\)"):
-        strategy.check_extension_locks(str(tmp_path))
+        torch_fixes.check_extension_locks(str(tmp_path))
     nested = tmp_path / "py311_cpu" / "cpu_adam" / "lock"  # the default root has a python/accelerator level
     nested.parent.mkdir(parents=True)
     nested.touch()
     os.utime(nested, (old, old))
     lock.unlink()
     with pytest.raises(RecipeError, match="cpu_adam/lock"):
-        strategy.check_extension_locks(str(tmp_path))
+        torch_fixes.check_extension_locks(str(tmp_path))
 
 
 class FakeCuda:
@@ -186,7 +205,7 @@ def saved_rng(tmp_path, rank: int, cuda_states: list, cuda_devices):
     """A checkpoint folder holding rank `rank`'s random states; the resume point that names it."""
     torch.save({"torch_manual_seed": torch.get_rng_state(), "torch_cuda_manual_seed": cuda_states},
                tmp_path / f"random_states_{rank}.pkl")
-    return checkpoint.ResumePoint(step=4, path=tmp_path, saved_world=8, cuda_devices=cuda_devices)
+    return checkpoint.ResumePoint(step=4, path=tmp_path, world_size=8, cuda_devices=cuda_devices)
 
 
 @pytest.mark.parametrize("layout", ["2x4 -> 1x8", "1x8 -> 2x4", "same layout, written before cuda_devices"])
@@ -209,7 +228,7 @@ def test_resume_restores_the_cuda_rng_of_the_device_the_rank_saved_on(monkeypatc
         except RuntimeError:
             pass
 
-    accelerator = SimpleNamespace(process_index=rank, load_state=accelerate_load_state,
+    accelerator = SimpleNamespace(process_index=rank, num_processes=1, load_state=accelerate_load_state,
                                   state=SimpleNamespace(deepspeed_plugin=None))
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -226,9 +245,10 @@ def test_checkpoint_records_the_cuda_device_of_each_rank(monkeypatch, tmp_path):
     FakeCuda(monkeypatch, 8, 3)
     accelerator = SimpleNamespace(is_main_process=True, num_processes=1, wait_for_everyone=lambda: None,
                                   save_state=lambda path: (Path(path) / "random_states_0.pkl").write_bytes(b""))
-    checkpoint.save_checkpoint(accelerator, tmp_path, {"step": 7}, Probe(record=False, rank=0))
+    checkpoint.save_checkpoint(accelerator, tmp_path, checkpoint.TrainerState(step=7))
     state = json.loads((tmp_path / "checkpoints" / "step_7" / "trainer_state.json").read_text())
-    assert state == {"step": 7, "cuda_devices": [3]}
+    assert state == {**asdict(checkpoint.TrainerState(step=7)), "cuda_devices": [3]}
+    assert checkpoint.TrainerState.read(tmp_path / "checkpoints" / "step_7").cuda_devices == [3]
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_7"
 
 
@@ -265,8 +285,8 @@ def test_data_parallel_replicas_compute_in_the_callers_autocast_dtype(monkeypatc
     monkeypatch.setattr(data_parallel, "parallel_apply", parallel_apply)
     x = torch.randn(2, 4)
     for wrapper, autocast, expected in ((torch.nn.DataParallel, True, torch.float16),
-                                        (strategy.AutocastDataParallel, True, torch.bfloat16),
-                                        (strategy.AutocastDataParallel, False, torch.float32)):  # fp32: none added
+                                        (torch_fixes.AutocastDataParallel, True, torch.bfloat16),
+                                        (torch_fixes.AutocastDataParallel, False, torch.float32)):  # fp32: none added
         model = wrapper(linear)
         model.src_device_obj = torch.device("cpu")  # what DataParallel sets on a GPU machine (cuda:0)
         dtypes.clear()
@@ -393,19 +413,20 @@ def test_training_loop_reads_nothing_from_the_device_between_log_flushes(count_s
     """4 steps of 2 micro-batches, losses read every 2 steps: the loop's only host reads are the two flushes. The
     same count with a loss read added to every micro-batch (the hand-made fault) finds 8 more, in the loop."""
     counts, cfg = count_syncs()
-    loop = {name: n for name, n in counts.items() if name.startswith(("cls.", "records.", "strategy.", "problem."))
-            and not name.startswith(("cls.evaluate", "cls.main"))}
+    loop = {name: n for name, n in counts.items()
+            if name.startswith(("cls.", "records.", "optimizer_step.", "accelerator.", "problem."))
+            and not name.startswith(("cls.evaluate", "cls.scored", "cls.main", "cls.finish"))}
     assert loop == {"records.flush": 2}, counts
     assert len(read_jsonl(Path(cfg.output_dir) / "metrics.jsonl")) == 4
     faulty, _ = count_syncs(extra_read=True)
-    assert faulty.get("cls.train", 0) == 8 and sum(faulty.values()) - sum(counts.values()) == 8, (faulty, counts)
+    assert faulty.get("cls.train_step", 0) == 8 and sum(faulty.values()) - sum(counts.values()) == 8, (faulty, counts)
 
 
 def test_fused_adamw_overflow_under_a_real_grad_scaler_is_seen_as_skipped():
     """The mechanism, on a real torch.amp.GradScaler("cpu") and torch's real fused AdamW inside Accelerate's
     AcceleratedOptimizer (what `prepare` makes under fp16): an inf gradient leaves the weights unchanged and halves
     the scale, yet Accelerate 1.15.0 says the step was not skipped (the fused kernel skips internally, so the scaler
-    always calls `step`); strategy.OverflowCheck says it was. A finite gradient then updates and is not skipped."""
+    always calls `step`); optimizer_step.OverflowCheck says it was. A finite gradient then updates and is not skipped."""
     from accelerate import Accelerator
     from accelerate.optimizer import AcceleratedOptimizer
     from accelerate.state import AcceleratorState
@@ -415,7 +436,7 @@ def test_fused_adamw_overflow_under_a_real_grad_scaler_is_seen_as_skipped():
         weight = torch.nn.Parameter(torch.ones(4))
         optimizer = AcceleratedOptimizer(torch.optim.AdamW([weight], lr=0.1, fused=True),
                                          scaler=torch.amp.GradScaler("cpu"))
-        check = strategy.OverflowCheck(accelerator, optimizer)
+        check = optimizer_step.OverflowCheck(accelerator, optimizer)
         assert check.scaler is optimizer.scaler
         seen = []
         for factor in (float("inf"), 1.0):
@@ -449,16 +470,16 @@ def test_fp16_overflow_steps_hold_the_schedule_and_are_counted(monkeypatch, tiny
 
     from recipes import cls
 
-    make_accelerator = strategy.make_accelerator
+    make_accelerator = setup.make_accelerator
 
     def with_cpu_scaler(cfg):
         accelerator = make_accelerator(cfg)
         accelerator.scaler = torch.amp.GradScaler("cpu")  # as Accelerator.__init__ makes one for fp16 on CUDA
         return accelerator
 
-    monkeypatch.setattr(strategy, "make_accelerator", with_cpu_scaler)
+    monkeypatch.setattr(setup, "make_accelerator", with_cpu_scaler)
     scales = []
-    monkeypatch.setattr(strategy.OverflowCheck, "skipped", lambda self, real=strategy.OverflowCheck.skipped: (
+    monkeypatch.setattr(optimizer_step.OverflowCheck, "skipped", lambda self, real=optimizer_step.OverflowCheck.skipped: (
         scales.append(self.scaler.get_scale()) or True) and real(self))
 
     def run(out, *flags):
@@ -517,13 +538,13 @@ def test_gpu_runs_get_pinned_prefetched_batches_and_non_blocking_copies(monkeypa
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     before = torch.get_float32_matmul_precision()
     try:
-        accelerator = strategy.make_accelerator(Config())
+        accelerator = setup.make_accelerator(Config())
         assert captured["dataloader_config"].non_blocking is True and captured["cpu"] is False
         assert torch.get_float32_matmul_precision() == "high"  # fp32 on a GPU: TF32 tensor cores
         torch.set_float32_matmul_precision("highest")
-        strategy.use_tf32_matmuls("cuda", accelerator.mixed_precision, tf32=False)
+        setup.use_tf32_matmuls("cuda", accelerator.mixed_precision, tf32=False)
         accelerator.mixed_precision = "bf16"
-        strategy.use_tf32_matmuls("cuda", accelerator.mixed_precision, tf32=True)
+        setup.use_tf32_matmuls("cuda", accelerator.mixed_precision, tf32=True)
         assert torch.get_float32_matmul_precision() == "highest"  # off when asked, and not needed under bf16
     finally:
         torch.set_float32_matmul_precision(before)
@@ -569,11 +590,11 @@ def test_cpu_threads_follow_the_machine_unless_the_user_chose(monkeypatch, devic
     else:
         monkeypatch.setenv("OMP_NUM_THREADS", omp)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
-    monkeypatch.setattr(strategy, "available_cores", lambda: cores)
+    monkeypatch.setattr(setup, "available_cores", lambda: cores)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(7)  # a value no case expects: "left alone" must keep it
-        got = strategy.set_cpu_threads(accelerator, requested)
+        got = setup.set_cpu_threads(accelerator, requested)
         assert got == torch.get_num_threads() == (7 if expected is None else expected)
     finally:
         torch.set_num_threads(before)
@@ -583,35 +604,35 @@ def test_more_threads_than_cpus_are_kept_and_said_once_per_machine(monkeypatch, 
     """OMP_NUM_THREADS=2 in each of 2 processes on 2 CPUs made a DDP step 217 ms against 104 ms (2.1x): the user's
     threads are kept, and local rank 0 says what they cost and what gives each CPU one thread."""
     accelerator = SimpleNamespace(device=torch.device("cpu"), state=SimpleNamespace(deepspeed_plugin=None))
-    monkeypatch.setattr(strategy, "available_cores", lambda: 2)
+    monkeypatch.setattr(setup, "available_cores", lambda: 2)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     before = torch.get_num_threads()
     try:
         for rank, said in (("0", True), ("1", False)):
             monkeypatch.setenv("LOCAL_RANK", rank)
-            assert strategy.set_cpu_threads(accelerator) == 2
+            assert setup.set_cpu_threads(accelerator) == 2
             err = capsys.readouterr().err
             assert err == ("warning: 2 processes x 2 threads on 2 CPUs: the threads take turns, which on CPU can take "
                            "several times as long; --cpu_threads 1 (or unset OMP_NUM_THREADS) gives each CPU one\n"
                            if said else "")
         monkeypatch.setenv("LOCAL_RANK", "0")
         monkeypatch.setenv("OMP_NUM_THREADS", "1")  # accelerate's default: cores / processes, one each
-        assert strategy.set_cpu_threads(accelerator) == 1 and capsys.readouterr().err == ""
+        assert setup.set_cpu_threads(accelerator) == 1 and capsys.readouterr().err == ""
     finally:
         torch.set_num_threads(before)
-    assert strategy.oversubscription(4, 1, 2).startswith("4 threads on 2 CPUs")
-    assert strategy.oversubscription(3, 1, 1).startswith("3 threads on 1 CPU:")
-    assert strategy.oversubscription(1, 4, 2) is None  # more processes than CPUs: the launch's choice
-    assert strategy.oversubscription(2, 4, 8) is None
+    assert setup.oversubscription(4, 1, 2).startswith("4 threads on 2 CPUs")
+    assert setup.oversubscription(3, 1, 1).startswith("3 threads on 1 CPU:")
+    assert setup.oversubscription(1, 4, 2) is None  # more processes than CPUs: the launch's choice
+    assert setup.oversubscription(2, 4, 8) is None
 
 
 def test_bench_baselines_take_one_gpu_the_runs_precision_and_the_recipes_matmul_math(monkeypatch, tmp_path):
     """BENCH=full on 4 GPUs: loop, Trainer and `alternate` run in one process on the first visible GPU (Trainer would
     take all four: nn.DataParallel and 4 x the batch) in the model's precision, and the baselines refuse several GPUs
-    themselves; on a GPU in fp32 they compute with TF32 matmuls as the recipe does (recipes/training/strategy.py
+    themselves; on a GPU in fp32 they compute with TF32 matmuls as the recipe does (recipes/training/accelerator.py
     use_tf32_matmuls), so the fp32 comparisons are of the same math."""
-    from scripts import bench_baselines
+    from scripts.measure import bench_baselines
 
     profile = bench.PROFILES["full"]
     spec = next(s for s in profile.models if s.name == "roberta-base")

@@ -1,4 +1,4 @@
-"""Long runs (recipes/checkpoints/longrun.py): one command for the first start and every restart, preemption, rotation,
+"""Long runs (recipes/checkpoints/preemption.py, best_model.py): one command for the first start and every restart, preemption, rotation,
 the best model, early stopping and the non-finite guard, checked against one uninterrupted reference run.
 
 Every launch here uses the same restartable command (REF_FLAGS, --resume_from_checkpoint auto): 2 processes x 8
@@ -22,7 +22,7 @@ import pytest
 from helpers import (ACCELERATE, PYTHON, REPO, TINY_FLAGS, eval_loader, free_port, kill_group, losses, rank_records,
                      read_jsonl, run_recipe)
 from recipes import RecipeError
-from recipes.checkpoints import checkpoint, longrun
+from recipes.checkpoints import best_model, checkpoint, preemption
 from recipes.checkpoints.checkpoint import ResumePoint
 
 REF_FLAGS = ["--per_device_train_batch_size", "8", "--max_train_steps", "12", "--eval_steps", "3",
@@ -75,7 +75,7 @@ def checkpoint_steps(out: Path) -> list[int]:
 def test_reference_keeps_the_best_stops_early_and_rotates(reference, tmp_path):
     evals = eval_records(reference)
     assert [e["step"] for e in evals] == [3, 6, 9]
-    assert set(longrun.EVAL_METRICS["single_label"]) <= set(evals[0])  # every accepted name is reported
+    assert set(best_model.EVAL_METRICS["single_label"]) <= set(evals[0])  # every accepted name is reported
     assert [e["evals_without_improvement"] for e in evals] == [0, 1, 2]
     assert {e["best_step"] for e in evals} == {BEST_STEP} and {e["best_metric"] for e in evals} == {"accuracy"}
     assert evals[0]["accuracy"] >= max(e["accuracy"] for e in evals)
@@ -224,11 +224,11 @@ class Cfg:
     save_total_limit = None
 
 
-def make_run(tmp_path, **overrides) -> longrun.LongRun:
+def make_run(tmp_path, **overrides) -> best_model.BestModel:
     cfg = Cfg()
     for k, v in overrides.items():
         setattr(cfg, k, v)
-    return longrun.LongRun(cfg, ResumePoint(), tmp_path)
+    return best_model.BestModel(cfg, ResumePoint())
 
 
 def test_best_metric_direction_nan_and_patience(tmp_path):
@@ -238,7 +238,7 @@ def test_best_metric_direction_nan_and_patience(tmp_path):
     better = [run.after_eval({"step": s, "loss": v}) for s, v in seq]
     assert better == [True, False, True, False, False]  # a NaN is never the best
     assert (run.best_step, run.best_value, run.bad_evals, run.stop_early) == (3, 0.5, 2, True)
-    resumed = longrun.LongRun(Cfg(), ResumePoint(long_run=run.state()), tmp_path)
+    resumed = best_model.BestModel(Cfg(), ResumePoint(long_run=run.state()))
     assert (resumed.best_step, resumed.bad_evals, resumed.stop_early) == (3, 2, True)
     with pytest.raises(RecipeError, match="reports accuracy, f1_macro, f1, matthews_correlation, loss"):
         make_run(tmp_path, metric_for_best_model="pearson")
@@ -251,17 +251,17 @@ def test_best_metric_direction_nan_and_patience(tmp_path):
 
 
 def test_stop_signals_are_caught_and_blocks_checked(tmp_path):
-    before = {sig: signal.getsignal(sig) for sig in longrun.STOP_SIGNALS}
+    before = {sig: signal.getsignal(sig) for sig in preemption.STOP_SIGNALS}
     try:
-        longrun.install_signal_handlers()
-        assert {sig: signal.getsignal(sig) for sig in before} == {sig: longrun._on_signal for sig in before}
+        preemption.install_signal_handlers()
+        assert {sig: signal.getsignal(sig) for sig in before} == {sig: preemption._on_signal for sig in before}
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert longrun.requested_signal == signal.SIGUSR1 and longrun.LongRun.stop_vote() == 1.0
+        assert preemption.requested_signal == signal.SIGUSR1 and preemption.StepGuard.stop_vote() == 1.0
     finally:
-        longrun.requested_signal = None
+        preemption.requested_signal = None
         for sig, handler in before.items():
             signal.signal(sig, handler)
-    run = make_run(tmp_path)
+    run = preemption.StepGuard(ResumePoint(), tmp_path)
     assert run.stop_vote() == 0.0
     rec = {"step": 7, "loss": 0.5, "skipped_steps": 0}
     run.check_block([(rec, 0, 0)])

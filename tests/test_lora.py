@@ -92,9 +92,21 @@ def logits(model, tokenizer) -> torch.Tensor:
         return model(**tokenizer(TEXTS, return_tensors="pt", padding=True)).logits.float()
 
 
+def load_adapter_as_documented(adapter):
+    """docs/lora.md's lines: the base named in adapter_config.json, built with the classifier's config kept beside
+    the adapter (labels, problem type, dtype), then the adapter and head on it."""
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    base = AutoModelForSequenceClassification.from_pretrained(
+        PeftConfig.from_pretrained(adapter).base_model_name_or_path, config=AutoConfig.from_pretrained(adapter),
+        ignore_mismatched_sizes=True)
+    return PeftModel.from_pretrained(base, adapter)
+
+
 def assert_merged_equals_base_plus_adapter(out, cut_pretrained, tmp_path, label: str) -> float:
     """final/ against the fp32 base + final/adapter/ (read from a copy on another path); returns the max difference."""
-    from peft import AutoPeftModelForSequenceClassification, PeftModel
+    from peft import PeftModel
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
 
     copy = tmp_path / f"adapter_copy_{label}"
@@ -104,12 +116,12 @@ def assert_merged_equals_base_plus_adapter(out, cut_pretrained, tmp_path, label:
     config = merged.config
     base = AutoModelForSequenceClassification.from_pretrained(cut_pretrained, config=config, dtype=torch.float32)
     adapted = PeftModel.from_pretrained(base, copy)
-    auto = AutoPeftModelForSequenceClassification.from_pretrained(copy)  # the base named in adapter_config.json
-    want, got, via_auto = logits(adapted, tokenizer), logits(merged, tokenizer), logits(auto, tokenizer)
+    documented = load_adapter_as_documented(copy)
+    want, got, via_docs = logits(adapted, tokenizer), logits(merged, tokenizer), logits(documented, tokenizer)
     delta = float((want - got).abs().max())
     print(f"{label}: max |merged final/ logits - base + adapter logits| = {delta:.3e}")
     assert delta <= MERGE_ATOL
-    assert torch.equal(want, via_auto)
+    assert torch.equal(want, via_docs)
     predictions = pipeline("text-classification", model=str(out / "final"), device="cpu")(TEXTS)
     assert [p["label"] for p in predictions] == [config.id2label[int(i)] for i in got.argmax(-1)]
     return delta
@@ -386,3 +398,60 @@ def test_gradient_checkpointing_gives_the_same_adapter_gradients(cut_pretrained,
     print(f"gradient checkpointing with LoRA: loss {float(plain_loss):.6f} vs {float(ckpt_loss):.6f}, "
           f"max |grad difference| {worst:.2e}")
     assert torch.equal(plain_loss, ckpt_loss) and worst <= 1e-6
+
+
+class OneProcess:
+    """What adapters.weights_writer asks of an Accelerator on one process."""
+    from accelerate.utils import DistributedType
+
+    distributed_type = DistributedType.NO
+
+
+TASKS = {  # problem type, label names, flags: a 3-label run on the 2-label file needs --ignore_mismatched_sizes
+    "single_label_3": ("single_label", ["neg", "neutral", "pos"], ["--ignore_mismatched_sizes"]),
+    "single_label_2": ("single_label", ["bad", "good"], []),
+    "regression": ("regression", ["score"], []),
+    "multi_label": ("multi_label", ["a", "b", "c"], ["--ignore_mismatched_sizes"]),
+}
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_adapter_folder_loads_as_documented_for_every_task_type(tiny_model, tmp_path, task):
+    """In process, no launch: the recipe's adapted model (cls.build_model, the tiny RoBERTa file with its 2-label
+    head), its adapters and head moved from init, written as a run writes final/: the adapter folder loaded as
+    docs/lora.md shows gives the merged final/'s logits within MERGE_ATOL, with the run's label names and problem
+    type, for every task type. Before: a 3-label run's merge raised at the first save (--ignore_mismatched_sizes was
+    not passed to it) and AutoPeftModelForSequenceClassification named 2 labels LABEL_0/1."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from recipes.inputs.problem import HF_PROBLEM_TYPE
+    from recipes.model.identity import folder_identity, is_model_file
+
+    problem_type, names, flags = TASKS[task]
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model, base)
+    cfg = cls.parse_config(["--model_name_or_path", str(base), "--output_dir", str(tmp_path / "run"),
+                            "--problem_type", problem_type, *LORA, *flags])
+    pinned = folder_identity(str(base), is_model_file, source.loading_kwargs(cfg))
+    model = cls.build_model(cfg, names, pinned)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.requires_grad:  # adapters (lora_B starts at 0) and the head, as training would leave them
+                param.add_(torch.randn_like(param) * 0.05)
+    final = tmp_path / "run" / "final"
+    adapters.weights_writer(OneProcess(), model)(final)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    merged = AutoModelForSequenceClassification.from_pretrained(final)
+    documented = load_adapter_as_documented(final / "adapter")
+    want, got = logits(merged, tokenizer), logits(documented, tokenizer)
+    print(f"{task}: max |adapter as documented - merged final/| = {float((want - got).abs().max()):.2e}")
+    assert want.shape == (len(TEXTS), len(names)) and torch.allclose(got, want, atol=MERGE_ATOL, rtol=0)
+    config = documented.get_base_model().config
+    assert [config.id2label[i] for i in range(len(names))] == names == \
+        [merged.config.id2label[i] for i in range(len(names))]
+    assert config.problem_type == merged.config.problem_type == HF_PROBLEM_TYPE[problem_type]
+    # the base changed on disk after the run started: the next merge refuses it in one line
+    (base / "config.json").write_text((base / "config.json").read_text() + "\n")
+    with pytest.raises(RecipeError, match=r"the LoRA base .* changed since the run started \(config.json\)"):
+        adapters.weights_writer(OneProcess(), model)(tmp_path / "again")

@@ -127,12 +127,14 @@ def test_trial_keeps_the_asked_size_without_oom_and_leaves_model_and_rng_as_they
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
     cpu = torch.device("cpu")
-    assert micro_batch.largest_fitting(model, [8, 4, 2, 1], 16, cpu, Probe(False, 0)) == [(8, True)]
-    assert micro_batch.largest_fitting(model, [8, 4, 2, 1], 16, cpu, Probe(False, 0, fault="oom:2:0")) == [
-        (8, False), (4, False), (2, True)]
-    assert micro_batch.largest_fitting(model, [8, 4], 16, cpu, Probe(False, 0, fault="oom:2:1")) == [(8, True)]
-    assert micro_batch.largest_fitting(model, [2, 1], 16, cpu, Probe(False, 0, fault="oom:0:0")) == [
-        (2, False), (1, False)]
+    def trials(sizes, fault=None):  # the test probe observing the trials, as a --record_ranks/CLS_FAULT run has it
+        with Probe(False, 0, fault=fault).installed():
+            return micro_batch.largest_fitting(model, sizes, 16, cpu)
+
+    assert trials([8, 4, 2, 1]) == [(8, True)]
+    assert trials([8, 4, 2, 1], "oom:2:0") == [(8, False), (4, False), (2, True)]
+    assert trials([8, 4], "oom:2:1") == [(8, True)]
+    assert trials([2, 1], "oom:0:0") == [(2, False), (1, False)]
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
     assert torch.equal(rng, torch.get_rng_state()) and not model.training
     assert all(p.grad is None for p in model.parameters())
@@ -150,15 +152,16 @@ class Failing(torch.nn.Module):
 
 
 def test_only_out_of_memory_counts_as_not_fitting():
-    cpu, probe = torch.device("cpu"), Probe(False, 0)
+    cpu = torch.device("cpu")
     cpu_oom = f"[enforce fail at alloc_cpu.cpp:121] {micro_batch.CPU_OUT_OF_MEMORY} 123 bytes."
-    assert micro_batch.largest_fitting(Failing(cpu_oom), [2, 1], 8, cpu, probe) == [(2, False), (1, False)]
+    assert micro_batch.largest_fitting(Failing(cpu_oom), [2, 1], 8, cpu) == [(2, False), (1, False)]
     with pytest.raises(RuntimeError, match="mat1 and mat2 shapes"):
-        micro_batch.largest_fitting(Failing("mat1 and mat2 shapes cannot be multiplied"), [2, 1], 8, cpu, probe)
+        micro_batch.largest_fitting(Failing("mat1 and mat2 shapes cannot be multiplied"), [2, 1], 8, cpu)
 
 
 def test_resume_keeps_the_split_only_for_the_same_world_and_global_batch():
-    start = ResumePoint(step=2, path=Path("ckpt"), saved_world=2, global_batch=16, micro_batch=4)
+    start = ResumePoint(step=2, path=Path("ckpt"), world_size=2, per_device_train_batch_size=4,
+                        gradient_accumulation_steps=2)  # a global batch of 16
     assert micro_batch.kept_from_checkpoint(start, [8, 4, 2, 1], 8, 2) == 4
     assert micro_batch.kept_from_checkpoint(start, [8, 4, 2, 1], 4, 4) == 0  # another world size: search again
     assert micro_batch.kept_from_checkpoint(start, [8, 4, 2, 1], 16, 2) == 0  # another global batch
@@ -167,9 +170,9 @@ def test_resume_keeps_the_split_only_for_the_same_world_and_global_batch():
 
 
 def test_flag_in_help_and_bad_combinations_refused(tiny_model, tmp_path):
-    from transformers import HfArgumentParser
+    from recipes.config import build_parser
 
-    assert "--auto_micro_batch" in HfArgumentParser(Config).format_help()
+    assert "--auto_micro_batch" in build_parser().format_help()
     with pytest.raises(RecipeError, match="--auto_micro_batch .* not with --do_train false"):
         parse_config(["--auto_micro_batch", "--do_train", "false", "--predict_file", __file__])
     proc = run_recipe(tmp_path, "--auto_micro_batch", "--data_parallel", config=None, check=False)
@@ -189,15 +192,17 @@ def one_process():
 
 def test_fit_sets_the_split_on_cfg_and_accelerator_in_one_process(model):
     cfg, accelerator = one_process()
-    record = micro_batch.fit(cfg, accelerator, model, ResumePoint(), Probe(False, 0, fault="oom:2:0"))
+    with Probe(False, 0, fault="oom:2:0").installed():
+        record = micro_batch.fit(cfg, accelerator, model, ResumePoint())
     assert (cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps) == (2, 4)
     assert accelerator.gradient_accumulation_steps == 4
     assert record["sequence_length"] == 16 and record["trials"] == [[
         {"micro_batch": 8, "fits": False}, {"micro_batch": 4, "fits": False}, {"micro_batch": 2, "fits": True}]]
     cfg, accelerator = one_process()
     with pytest.raises(RecipeError, match="a micro-batch of 1 x 16 tokens runs out of memory on rank.s. 0"):
-        micro_batch.fit(cfg, accelerator, model, ResumePoint(), Probe(False, 0, fault="oom:0:0"))
+        with Probe(False, 0, fault="oom:0:0").installed():
+            micro_batch.fit(cfg, accelerator, model, ResumePoint())
     with pytest.raises(RecipeError, match="cpu_ram_efficient_loading"):
-        micro_batch.fit(cfg, accelerator, torch.nn.Linear(2, 2, device="meta"), ResumePoint(), Probe(False, 0))
+        micro_batch.fit(cfg, accelerator, torch.nn.Linear(2, 2, device="meta"), ResumePoint())
     cfg.auto_micro_batch = False
-    assert micro_batch.fit(cfg, accelerator, model, ResumePoint(), Probe(False, 0)) is None
+    assert micro_batch.fit(cfg, accelerator, model, ResumePoint()) is None

@@ -29,7 +29,8 @@ from helpers import (PARITY_FLAGS, PRETRAINED_DATA, SNIPPETS, assert_follows, as
                      fp32_launch_args, losses, no_gpu, read_jsonl, run_recipe)
 from recipes import RecipeError, cls
 from recipes.model import source
-from scripts import bench, fetch_pretrained
+from scripts import fetch_pretrained
+from scripts.measure import bench
 
 # 8 steps of 2 x 8 snippets at a pretrained model's rate
 PARITY = [*PRETRAINED_DATA, *PARITY_FLAGS, "--learning_rate", "1e-4"]

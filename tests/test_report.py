@@ -64,9 +64,10 @@ def test_held_outputs_and_a_report_without_matplotlib(tmp_path, monkeypatch):
     said = []
     cfg = types.SimpleNamespace(problem_type="regression", multi_label_threshold=0.5)
     outputs = {"step": 3, "logits": torch.tensor([[1.0], [2.0]]), "references": torch.tensor([1.0, 2.5])}
-    folder = report.write(cfg, tmp_path, outputs, "last evaluation", ["score"], say=said.append)
+    written = report.write(cfg, tmp_path, outputs, "last evaluation", ["score"], say=said.append)
+    folder = tmp_path / report.FOLDER
     assert sorted(p.name for p in folder.iterdir()) == ["report.json"] and len(said) == 1 and "matplotlib" in said[0]
-    assert json.loads((folder / "report.json").read_text())["mae"] == pytest.approx(0.25)
+    assert json.loads((folder / "report.json").read_text())["mae"] == pytest.approx(0.25) == written["mae"]
     assert report.write(cfg, tmp_path / "none", None, "last evaluation", ["score"]) is None
 
 
@@ -153,7 +154,8 @@ def test_multi_label_thresholds_are_stored_in_final_and_used_by_predictions(tmp_
     fitted = calibration.label_thresholds(cfg, outputs, "last evaluation", ["x", "y"], config)
     assert fitted.tolist() == pytest.approx([0.4, 0.6])  # each label's best F1 (test_multi_label_thresholds_...)
     config.save_pretrained(tmp_path / "final")
-    calibration.calibrate(cfg, tmp_path, outputs, "last evaluation", ["x", "y"], fitted, say=lambda line: None)
+    fitted_record = calibration.calibrate(cfg, tmp_path, outputs, "last evaluation", ["x", "y"], fitted,
+                                          say=lambda line: None)
     stored = AutoConfig.from_pretrained(tmp_path / "final")
     assert stored.label_thresholds == pytest.approx({"x": 0.4, "y": 0.6})
     later = types.SimpleNamespace(problem_type="multi_label", calibrate=None, multi_label_threshold=0.5)
@@ -162,5 +164,5 @@ def test_multi_label_thresholds_are_stored_in_final_and_used_by_predictions(tmp_
     assert calibration.label_thresholds(later, None, "", ["x", "y"], config) is None  # nothing stored: the flag's
     record = problem.prediction_record("multi_label", 7, torch.logit(torch.tensor([0.45, 0.55])), ["x", "y"], again)
     assert record["prediction"] == ["x"]  # 0.45 >= 0.4, 0.55 < 0.6; at 0.5 it would have been ["y"]
-    report.write(cfg, tmp_path, outputs, "last evaluation", ["x", "y"], say=lambda line: None)
-    assert "as `label_thresholds`" in "\n".join(report.card_lines(tmp_path))  # the model card says so
+    written = report.write(cfg, tmp_path, outputs, "last evaluation", ["x", "y"], say=lambda line: None)
+    assert "as `label_thresholds`" in "\n".join(report.card_lines(written, fitted_record))  # the model card says so

@@ -26,7 +26,7 @@ from helpers import (ACCELERATE, PARITY_FLAGS, PRETRAINED_DATA, REPO, TINY, TINY
 from recipes import cls
 from recipes.metrics import load_metrics
 from recipes.testing.probe import fingerprint
-from recipes.training import strategy
+from recipes.training import accelerator as setup
 
 pytestmark = [pytest.mark.multiproc, no_gpu]  # CPU rehearsal: gloo, FSDP on CPU, MULTI_CPU expected
 
@@ -93,7 +93,7 @@ def test_shipped_config_trains_to_completion(request, tmp_path, config):
                    config=config)
     resolved = json.loads((tmp_path / "run_config.json").read_text())
     world = 1 if config == "single.yaml" else 2
-    assert resolved["cpu_threads"] == (1 if config == "ddp.yaml" else max(1, strategy.available_cores() // world))
+    assert resolved["cpu_threads"] == (1 if config == "ddp.yaml" else max(1, setup.available_cores() // world))
     expected_type = {"single.yaml": "NO", "ddp.yaml": "MULTI_CPU", "fsdp.yaml": "FSDP"}.get(config, "DEEPSPEED")
     assert resolved["distributed_type"] == expected_type
     assert resolved["world_size"] == (1 if config == "single.yaml" else 2)
@@ -225,14 +225,14 @@ def test_conflicting_deepspeed_json_is_refused_at_start_up(tiny_model, tmp_path)
 
 
 def test_unwrapping_imports_no_deepspeed_until_a_run_has(tmp_path):
-    """strategy.unwrap_without_importing_deepspeed: Accelerate 1.15.0's extract_model_from_parallel imported deepspeed
+    """workarounds/accelerate.py unwrap_without_importing_deepspeed: Accelerate 1.15.0's extract_model_from_parallel imported deepspeed
     (and with it mlflow) in every run to test for an engine; now a plain wrapper unwraps without the import, and once
     deepspeed is imported a DeepSpeedEngine unwraps as before. In a fresh interpreter: this one imported it long ago."""
     code = "\n".join([
         "import sys, torch",
         "from accelerate.utils import extract_model_from_parallel",
-        "from recipes.training import strategy",
-        "strategy.unwrap_without_importing_deepspeed(); strategy.unwrap_without_importing_deepspeed()  # once",
+        "from recipes.workarounds import accelerate as fixes",
+        "fixes.unwrap_without_importing_deepspeed(); fixes.unwrap_without_importing_deepspeed()  # once",
         "inner = torch.nn.Linear(2, 2)",
         "found = [extract_model_from_parallel(torch.nn.DataParallel(inner)) is inner, 'deepspeed' in sys.modules]",
         "import deepspeed",
@@ -254,15 +254,16 @@ def printed_last(code: str) -> str:
 
 @pytest.mark.parametrize("report_to,imported", [("none", False), ("tensorboard", False), ("mlflow", True)])
 def test_deepspeed_is_imported_without_mlflow_unless_the_run_logs_to_it(report_to, imported):
-    """strategy.import_deepspeed_without_mlflow: deepspeed 0.19.8's autotuner imported mlflow (about 0.9 s) in every
+    """workarounds/deepspeed.py import_deepspeed_without_mlflow: deepspeed 0.19.8's autotuner imported mlflow (about 0.9 s) in every
     DeepSpeed rank where the trackers extra is installed; now it does only in a run that logs to MLflow, and
     `import mlflow` still works afterwards. In a fresh interpreter (this one imported both long ago)."""
     code = "\n".join([
         "import sys",
         "from recipes.config import parse_config",
         f"cfg = parse_config(['--report_to', '{report_to}'])",
-        "from recipes.training import strategy",
-        "strategy.import_deepspeed_without_mlflow(cfg)",
+        "from recipes.outputs import tracking",
+        "from recipes.workarounds import deepspeed as fixes",
+        "fixes.import_deepspeed_without_mlflow('mlflow' in tracking.tracker_names(cfg.report_to))",
         "from deepspeed.autotuning import autotuner",
         "found = ['deepspeed' in sys.modules, 'mlflow' in sys.modules, autotuner.has_mlflow]",
         "import mlflow",

@@ -231,3 +231,48 @@ def test_restarted_tpe_sweep_first_completes_the_seeds_of_its_configurations():
     assert again[0][0].params == done[0][0]  # the trial's own parameters are that configuration too
     assert [seed for _, _, seed in again[1:]] == [42, 43, 44] and len({str(c) for _, c, _ in again[1:]}) == 1
     assert again[1][1] != done[0][0] and len(again) == 4  # the budget: 6 trials in all
+
+
+def test_a_changed_space_is_refused_before_the_storage_changes(tmp_path, capsys):
+    """No launch: a sweep's study opened again with another space. Grid values added extend it; a range's log,
+    low or high changed, a grid value removed, a flag added, or another range type stop it in one line, the storage
+    byte for byte as it was (a log change used to end in Optuna's traceback after the new setup was written)."""
+    import argparse
+
+    def args(**extra):
+        return argparse.Namespace(output_dir=str(tmp_path), storage=None, prune=False, report=False, metric="accuracy",
+                                  seeds=2, fixed=[], config_file=None, num_processes=None, **extra)
+
+    ranged = {"learning_rate": {"low": 1e-4, "high": 1e-2, "log": True}, "warmup_steps": [0, 2]}
+    sweep.open_study(args(), ranged)
+    db = tmp_path / "study.db"
+    before = db.read_bytes()
+    for changed, said in (({"log": False}, 'learning_rate {"low": 0.0001, "high": 0.01, "log": true} -> '),
+                          ({"low": 1e-3}, "learning_rate"), ({"high": 1e-3}, "learning_rate")):
+        other = {**ranged, "learning_rate": {**ranged["learning_rate"], **changed}}
+        with pytest.raises(SystemExit) as stop:
+            sweep.open_study(args(), other)
+        assert stop.value.code == 2 and db.read_bytes() == before
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith("error: ") and said in line and "another --output_dir" in line
+    for other, said in (({**ranged, "warmup_steps": [0]}, "warmup_steps values [2] removed"),
+                        ({**ranged, "weight_decay": [0.0]}, "weight_decay added"),
+                        ({**ranged, "learning_rate": [1e-3]}, "learning_rate {")):
+        with pytest.raises(SystemExit):
+            sweep.open_study(args(), other)
+        assert said in capsys.readouterr().err and db.read_bytes() == before
+    study = sweep.open_study(args(), {**ranged, "warmup_steps": [0, 2, 4]})  # a grid value added: the same sweep
+    assert study.user_attrs["setup"]["space"]["warmup_steps"] == [0, 2, 4]
+
+
+def test_intervals_of_a_bounded_metric_stay_in_its_range():
+    """Two seeds at 0.99 and 0.67: the t interval (0.4488-1.2112 unbounded) is cut to accuracy's [0, 1] and says so;
+    a loss is not cut; a paired difference is a plain summary (no bounds), negative values and all."""
+    values = [0.99, 0.67]
+    plain = sweep.summary(values)
+    assert plain["ci95"] == pytest.approx([0.8300 - 2.0331, 0.8300 + 2.0331], abs=1e-3)
+    cut = sweep.summary(values, sweep.metric_bounds("accuracy"))
+    assert cut["ci95"] == pytest.approx([0.0, 1.0]) and cut["ci95_clipped"] is True
+    assert sweep.summary([0.80, 0.82, 0.81], sweep.metric_bounds("mismatched_f1_macro"))["ci95_clipped"] is False
+    assert sweep.metric_bounds("loss") is None and sweep.metric_bounds("matthews_correlation") == (-1.0, 1.0)
+    assert sweep.summary([-0.5, 0.1])["ci95"][0] < -1  # a difference: never cut

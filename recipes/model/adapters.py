@@ -17,7 +17,6 @@ that adapter, which a plain `from_pretrained` and `pipeline()` load.
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 from pathlib import Path
 
@@ -92,8 +91,9 @@ def head_modules(model) -> list[str]:
     return head
 
 
-def apply(cfg, model):
-    """With --use_peft, the model wrapped as a PEFT LoRA model (base frozen); else the model as it is."""
+def apply(cfg, model, pinned: dict | None = None):
+    """With --use_peft, the model wrapped as a PEFT LoRA model (base frozen); else the model as it is. `pinned`: the
+    base's identity (identity.folder_identity) as the run started, which each merge checks the base against."""
     if not cfg.use_peft:
         return model
     from peft import LoraConfig, get_peft_model
@@ -120,9 +120,12 @@ def apply(cfg, model):
     adapted.peft_config["default"].base_model_name_or_path = str(source.resolve()) if source.is_dir() \
         else cfg.model_name_or_path
     adapted.peft_config["default"].revision = None if source.is_dir() else cfg.revision
-    # how the merged model reads that base again at save time (source.loading_kwargs, which imports this module)
+    # how the merged model reads that base again at save time (source.loading_kwargs, which imports this module):
+    # as the run loaded it, and the same files (merge checks them against the pin)
     adapted.base_loading = {"revision": cfg.revision, "cache_dir": cfg.cache_dir,
-                            "trust_remote_code": cfg.trust_remote_code}
+                            "trust_remote_code": cfg.trust_remote_code,
+                            "ignore_mismatched_sizes": cfg.ignore_mismatched_sizes}
+    adapted.base_pin = pinned
     return adapted
 
 
@@ -190,6 +193,9 @@ def weights_writer(accelerator, model):
 
     def write(folder: Path) -> None:
         model.save_pretrained(folder / "adapter", state_dict=trained, safe_serialization=True)
+        # the classifier's config beside the adapter: its labels, problem type and dtype, which the base's own
+        # config.json lacks (docs/lora.md loads the base with it)
+        model.get_base_model().config.save_pretrained(folder / "adapter")
         merged = merge(model, folder / "adapter")
         merged.save_pretrained(folder, safe_serialization=True)
 
@@ -201,11 +207,16 @@ def merge(model, adapter: Path):
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification
 
+    from recipes.model.identity import check_unchanged
+
     source = model.peft_config["default"].base_model_name_or_path
     config = model.get_base_model().config
+    loading = dict(getattr(model, "base_loading", {}))
+    if getattr(model, "base_pin", None):  # the base this run started from, or a one-line error
+        loading.update(check_unchanged(source, model.base_pin, "the LoRA base"))
     with zero3_loading_off():
         base = AutoModelForSequenceClassification.from_pretrained(source, config=config, dtype=torch.float32,
-                                                                  **getattr(model, "base_loading", {}))
+                                                                  **loading)
     return PeftModel.from_pretrained(base, adapter).merge_and_unload()
 
 

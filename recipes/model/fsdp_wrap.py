@@ -1,7 +1,7 @@
 """Which module classes FSDP makes units of, for any encoder `AutoModelForSequenceClassification` builds.
 
 accelerate_configs/fsdp.yaml names no class (`fsdp_transformer_layer_cls_to_wrap` unset), so one config fits every
-encoder: the recipe picks the classes from the model before `accelerator.prepare` (strategy.complete_plugins), the
+encoder: the recipe picks the classes from the model before `accelerator.prepare` (training/accelerator.py complete_plugins), the
 checker (scripts/check_config.py) and the memory model (scripts/memory_model.py) pick the same ones. In order:
 
 1. transformers' `_no_split_modules` (what Accelerate 1.15.0 wraps when no class is named), without the classes that

@@ -66,6 +66,25 @@ def innermost_optimizer(optimizer):
     return optimizer
 
 
+def optimizer_dtypes(optimizer) -> tuple[set, set]:
+    """The dtypes of the parameters the innermost torch optimizer updates (the master weights) and of its state."""
+    inner = innermost_optimizer(optimizer)
+    params = [p for group in inner.param_groups for p in group["params"]]
+    # DeepSpeed ZeRO-3 (0.19.8) empties param_groups outside its step; its fp32 partitions key the state then.
+    params = params or [p for p in inner.state if torch.is_tensor(p)]
+    states = [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
+    return {p.dtype for p in params}, {t.dtype for t in states}
+
+
+def describe_dtypes(optimizer) -> dict:
+    """run_config.json's master-weight and optimizer-state dtypes. Before the first step AdamW has no state: it makes
+    its moments in the dtype of the parameters it updates (torch 2.13.0 `_init_group`; DeepSpeed 0.19.8's fp32
+    partitions alike), which is then reported."""
+    masters, states = optimizer_dtypes(optimizer)
+    names = lambda dtypes: sorted(str(d).removeprefix("torch.") for d in dtypes)  # noqa: E731
+    return {"master_weights": names(masters), "optimizer_state": names(states or masters)}
+
+
 def _groups(model, optimizer) -> dict:
     """Tensors of each group, in counting order."""
     params = list(model.parameters())

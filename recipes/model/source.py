@@ -19,6 +19,44 @@ MIN_VOCABULARY = 100  # fewer tokens: an empty tokenizer, not a real one
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
+# --torch_dtype: the dtype the model is built in, hence of the master weights and the optimizer state.
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+def model_dtype(cfg):
+    """What `from_pretrained` / `from_config` get as `dtype`. transformers 5.23 builds a model in its file's dtype
+    (config.json's `dtype`) when given none, so a bf16 file would train bf16 master weights: fp32 unless asked."""
+    import torch
+
+    return "auto" if cfg.torch_dtype == "auto" else getattr(torch, cfg.torch_dtype)
+
+
+def file_dtype(cfg) -> str | None:
+    """The dtype of the floating weights in the model's files (read from the safetensors header, no tensor), else
+    its config.json's `dtype`; None when neither says (a Hub model is judged by its config)."""
+    path = Path(cfg.model_name_or_path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if files:
+        from safetensors import safe_open
+
+        found = set()
+        with safe_open(str(files[0]), "pt") as f:
+            for key in f.keys():
+                dtype = f.get_slice(key).get_dtype()
+                if dtype.startswith(("F", "BF")):
+                    found.add({"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}.get(dtype,
+                                                                                                           dtype))
+        if found:
+            return ",".join(sorted(found))
+    try:
+        from transformers import AutoConfig
+
+        dtype = getattr(AutoConfig.from_pretrained(cfg.model_name_or_path, **loading_kwargs(cfg)), "dtype", None)
+    except (OSError, ValueError):
+        return None
+    return str(dtype).removeprefix("torch.") if dtype is not None else None
+
+
 def loading_kwargs(cfg) -> dict:
     """The loading flags every `from_pretrained` of the run gets (config, model, tokenizer)."""
     return {"revision": cfg.revision, "cache_dir": cfg.cache_dir, "trust_remote_code": cfg.trust_remote_code}

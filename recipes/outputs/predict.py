@@ -51,14 +51,14 @@ def write_predictions(cfg, accelerator, model, predict_ds, tokenizer, names: lis
                 record = problem.prediction_record(cfg.problem_type, int(rows[i]), logits[i], names,
                                                    cfg.multi_label_threshold if thresholds is None else thresholds)
                 if has_label[i]:
-                    record["label"] = _label_value(cfg.problem_type, labels[i], names)
+                    record["label"] = label_value(cfg.problem_type, labels[i], names)
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
         os.replace(tmp, path)
     accelerator.wait_for_everyone()
     return len(rows)
 
 
-def _label_value(problem_type: str, label: torch.Tensor, names: list[str]):
+def label_value(problem_type: str, label: torch.Tensor, names: list[str]):
     if problem_type == "regression":
         return float(label)
     if problem_type == "multi_label":

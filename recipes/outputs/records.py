@@ -61,8 +61,8 @@ def describe_run(cfg, accelerator, total_steps: int, n_train: int, n_eval: int) 
         "n_train_examples": n_train,
         "n_eval_examples": n_eval,
         "device": device_name(accelerator.device),
-        "cpu_threads": torch.get_num_threads(),  # intra-op threads (recipes/training/strategy.py set_cpu_threads)
-        "matmul_precision": torch.get_float32_matmul_precision(),  # "high": TF32 (strategy.use_tf32_matmuls)
+        "cpu_threads": torch.get_num_threads(),  # intra-op threads (training/accelerator.py set_cpu_threads)
+        "matmul_precision": torch.get_float32_matmul_precision(),  # "high": TF32 (accelerator.use_tf32_matmuls)
         "versions": library_versions(),
         "compile": compilation.describe(cfg, accelerator),  # null: not compiled (recipes/model/compilation.py)
     }
@@ -87,7 +87,7 @@ class StepLog:
     an evaluation, a checkpoint or the end, copies the kept steps to the host in one `.tolist()`: the loop itself
     never makes the CPU wait for the GPU.
 
-    Two more entries ride on each step's reduction for the ranks' common decisions (recipes/checkpoints/longrun.py): the
+    Two more entries ride on each step's reduction for the ranks' common decisions (recipes/checkpoints/preemption.py): the
     number of ranks whose gradient norm was not finite, and the number that voted to stop (a preemption signal).
     `on_flush` gets them with each record, at the same flush on every rank.
     """

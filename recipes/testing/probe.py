@@ -8,12 +8,9 @@ SIGUSR1 after step N, or with N = 0 at start-up, before the data are prepared (`
 logits NaN in the forward passes of step N (`nan`); after step N, write <output_dir>/probe_waiting and wait there
 until a stop signal arrives, 60 s at most (`wait`: a test then signals the launcher at a known step); make
 --auto_micro_batch's trial of every micro-batch above N run out of memory on that rank (`oom`, N the largest that
-fits: `trial` raises torch.OutOfMemoryError between the trial's forward and backward). The training loop calls it at
-four points: `epoch` (the loader of each epoch), `batch` (each micro-batch), `step` (each optimizer step) and
-`finish` (after training); `save_checkpoint` calls `saved`; recipes/training/micro_batch.py calls `trial`. Inert, each
-call returns at once and the batches carry no sample ids. One more point is for the benchmark only: an in-process
-harness may set `Probe.step_hook` to a callable that `step` calls with the step number (scripts/bench_baselines.py
-`alternate` takes turns there with other training loops in the same process); it is None in every launch.
+fits: `trial` raises torch.OutOfMemoryError between the trial's forward and backward). It observes the run through
+the hook points of recipes/hooks.py (`Probe.installed`): cls.main installs it for the run; inert, it observes
+nothing and the batches carry no sample ids.
 
 With --record_ranks each rank writes ranks/rank<i>.json: the ids of the training examples it saw, micro-batch by
 micro-batch; per epoch, the micro-batches its loader skipped through `accelerator.skip_first_batches` (a resumed
@@ -29,6 +26,7 @@ steps, by module.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -38,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from recipes.checkpoints import longrun
+from recipes import hooks
+from recipes.checkpoints import preemption
 from recipes.inputs.data import SAMPLE_IDS
 from recipes.model import fsdp_wrap, memstats
 from recipes.testing import commstats
@@ -56,8 +55,6 @@ COMM_STEPS = range(3, 7)
 
 
 class Probe:
-    step_hook = None  # set by an in-process harness only (see the module docstring)
-
     def __init__(self, record: bool, rank: int, fault: str | None = None, count_comm: bool = False,
                  out: Path | None = None):
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
@@ -79,9 +76,25 @@ class Probe:
         self._maybe_signal(0)  # a signal at start-up (fault `sigterm:0:<rank>`, `sigusr1:0:<rank>`)
 
     @classmethod
-    def for_run(cls, cfg, rank: int) -> "Probe":
+    def for_run(cls, cfg, rank: int | None = None) -> "Probe":
+        """The probe of a run's process (`rank`: the launcher's RANK unless given)."""
+        rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         return cls(record=cfg.record_ranks, rank=rank, fault=os.environ.get(FAULT_VARIABLE) or None,
                    count_comm=os.environ.get(COMM_VARIABLE) == "1", out=Path(cfg.output_dir))
+
+    @contextlib.contextmanager
+    def installed(self):
+        """The probe observing the run's points (recipes/hooks.py) while the context lasts; an inert probe (no
+        --record_ranks, no fault) observes nothing."""
+        points = {"started": self.watch, "epoch": self.epoch, "batch": self.batch, "step": self.step,
+                  "trained": self.finish, "saved": self.saved, "trial": self.trial}
+        removers = [hooks.observe(point, observer) for point, observer in points.items()] \
+            if self.record or self.fault is not None else []
+        try:
+            yield self
+        finally:
+            for remove in removers:
+                remove()
 
     @property
     def wants_sample_ids(self) -> bool:
@@ -150,8 +163,6 @@ class Probe:
         self._maybe_signal(step)
         if self.fault == f"wait:{step}:{self.rank}":
             self._wait_for_signal()
-        if Probe.step_hook is not None:
-            Probe.step_hook(step)
 
     def _stop_counting(self, step: int) -> None:
         counter, self.counter = self.counter, None
@@ -194,7 +205,7 @@ class Probe:
     def _wait_for_signal(self) -> None:
         (self.out / "probe_waiting").write_text(f"{self.last_step}\n")
         deadline = time.monotonic() + 60
-        while longrun.requested_signal is None and time.monotonic() < deadline:
+        while preemption.requested_signal is None and time.monotonic() < deadline:
             time.sleep(0.05)
 
     def _maybe_die(self, where: str, step: int) -> None:
@@ -213,7 +224,7 @@ class Probe:
         folder.mkdir(parents=True, exist_ok=True)
         record = {"rank": self.rank, "sample_ids": self.sample_ids, "epochs": self.epochs, "param_sums": sums,
                   "start_weights": self.start_weights, "fsdp_units": fsdp_wrap.fsdp_units(model),
-                  "dtypes": {**self.forward_dtypes, **optimizer_dtypes(optimizer)},
+                  "dtypes": {**self.forward_dtypes, **probe_dtypes(optimizer)},
                   "optimizer": optimizer_record(optimizer),
                   "accumulated_grad_dtypes": sorted(self.accumulated_grad_dtypes),
                   "memory": memstats.rank_memory(model, optimizer, device), "comm": self.comm_record()}
@@ -229,15 +240,10 @@ def fingerprint(tensor) -> dict:
             "sum": float(flat.double().sum())}
 
 
-def optimizer_dtypes(optimizer) -> dict:
-    """dtypes of the parameters the innermost torch optimizer updates (the master weights) and of its state."""
-    inner = memstats.innermost_optimizer(optimizer)
-    params = [p for group in inner.param_groups for p in group["params"]]
-    # DeepSpeed ZeRO-3 (0.19.8) empties param_groups outside its step; its fp32 partitions key the state then.
-    params = params or [p for p in inner.state if torch.is_tensor(p)]
-    states = [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
-    return {"master_params": sorted({str(p.dtype) for p in params}),
-            "optimizer_state": sorted({str(t.dtype) for t in states})}
+def probe_dtypes(optimizer) -> dict:
+    """dtypes of the optimizer's master weights and state, as the record names them ("torch.float32")."""
+    masters, states = memstats.optimizer_dtypes(optimizer)
+    return {"master_params": sorted(map(str, masters)), "optimizer_state": sorted(map(str, states))}
 
 
 def optimizer_record(optimizer) -> dict:

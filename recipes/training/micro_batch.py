@@ -28,7 +28,7 @@ from dataclasses import asdict
 
 import torch
 
-from recipes import RecipeError
+from recipes import RecipeError, hooks
 from recipes.checks import launch_checks
 
 # torch 2.13.0 raises torch.OutOfMemoryError (alias torch.cuda.OutOfMemoryError) on a GPU; the CPU allocator raises
@@ -52,7 +52,7 @@ def longest_batch(cfg) -> int:
     return -(-cfg.max_length // multiple) * multiple
 
 
-def fits(model, size: int, length: int, device, probe, autocast=contextlib.nullcontext) -> bool:
+def fits(model, size: int, length: int, device, autocast=contextlib.nullcontext) -> bool:
     """Whether a forward and backward of `size` x `length` tokens runs on `device`; False on out-of-memory only.
 
     The tensors of a failed trial live in this frame (and the exception's traceback): they are freed once it returns.
@@ -62,7 +62,7 @@ def fits(model, size: int, length: int, device, probe, autocast=contextlib.nullc
     try:
         with autocast():
             logits = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits
-        probe.trial(size)  # for testing only: an out-of-memory error the test probe injects
+        hooks.reached("trial", size)  # for testing only: an out-of-memory error the test probe injects
         logits.float().sum().backward()
         return True
     except RuntimeError as err:
@@ -79,7 +79,7 @@ def release(device) -> None:
         torch.cuda.empty_cache()
 
 
-def largest_fitting(model, sizes: list[int], length: int, device, probe, autocast=contextlib.nullcontext) -> list:
+def largest_fitting(model, sizes: list[int], length: int, device, autocast=contextlib.nullcontext) -> list:
     """This rank's trials, largest first, up to the first size that fits: [(size, fits), ...]. The model, its
     buffers, its mode, its device and the RNG states are as before."""
     home = next(model.parameters()).device
@@ -92,7 +92,7 @@ def largest_fitting(model, sizes: list[int], length: int, device, probe, autocas
     tried = []
     try:
         for size in sizes:
-            ok = fits(model, size, length, device, probe, autocast)
+            ok = fits(model, size, length, device, autocast)
             release(device)
             tried.append((size, ok))
             if ok:
@@ -112,12 +112,12 @@ def largest_fitting(model, sizes: list[int], length: int, device, probe, autocas
 
 def kept_from_checkpoint(start, sizes: list[int], samples: int, world: int) -> int:
     """The checkpoint's micro-batch when this run continues its split (same world size and global batch), else 0."""
-    if start.path is None or start.saved_world != world or start.global_batch != samples * world:
+    if start.path is None or start.world_size != world or start.global_batch != samples * world:
         return 0
-    return start.micro_batch if start.micro_batch in sizes else 0
+    return start.per_device_train_batch_size if start.per_device_train_batch_size in sizes else 0
 
 
-def fit(cfg, accelerator, model, start, probe) -> dict | None:
+def fit(cfg, accelerator, model, start) -> dict | None:
     """With --auto_micro_batch, choose the micro-batch (a collective: every rank calls it) and set it as
     cfg.per_device_train_batch_size, the accumulation as cfg.gradient_accumulation_steps and the Accelerator's;
     returns what run_config.json records. None without the flag."""
@@ -132,7 +132,7 @@ def fit(cfg, accelerator, model, start, probe) -> dict | None:
             raise RecipeError("--auto_micro_batch tries the whole model on each device before accelerator.prepare: "
                               "not with ZeRO-3's zero3_init_flag or FSDP's cpu_ram_efficient_loading, which leave a "
                               "rank without it; give --per_device_train_batch_size yourself or turn them off")
-        trials = agreed_trials(model, sizes, length, accelerator, probe)
+        trials = agreed_trials(model, sizes, length, accelerator)
         micro = min(max((s for s, ok in tried if ok), default=0) for tried in trials)
         if not micro:
             failed = [rank for rank, tried in enumerate(trials) if not any(ok for _, ok in tried)]
@@ -156,12 +156,12 @@ def fit(cfg, accelerator, model, start, probe) -> dict | None:
             "trials": [[{"micro_batch": s, "fits": ok} for s, ok in tried] for tried in trials]}
 
 
-def agreed_trials(model, sizes: list[int], length: int, accelerator, probe) -> list[list]:
+def agreed_trials(model, sizes: list[int], length: int, accelerator) -> list[list]:
     """Every rank's trials, by rank. A rank whose trial fails for another reason than memory raises its error, and
     the others a RecipeError naming it, all after the gather: no rank is left waiting in a collective."""
     error = None
     try:
-        tried = largest_fitting(model, sizes, length, accelerator.device, probe, accelerator.autocast)
+        tried = largest_fitting(model, sizes, length, accelerator.device, accelerator.autocast)
     except Exception as err:  # noqa: BLE001 - re-raised below, once every rank knows
         tried, error = [], err
     mine = (tried, None if error is None else f"{type(error).__name__}: {error}")

@@ -1,6 +1,7 @@
 """make bench on a busy machine: how much CPU a measurement got, how much went to other work, and when it was disturbed.
 
-Figures, per launch (scripts/bench.py execute) and per block of the `alternate` run (scripts/bench_baselines.py Baton):
+Figures, per launch (scripts/measure/bench.py execute) and per block of the `alternate` run
+(scripts/measure/bench_baselines.py Baton):
 - CPU share: the CPU seconds of the run's processes / (wall seconds x its threads, threads per process x processes).
   A launch's processes are counted whole (getrusage of the children once they are reaped: start-up and evaluation
   included); an `alternate` block counts its process's CPU over the block's steps (time.process_time: the three

@@ -1,7 +1,7 @@
 """A dated record of the DeepSpeed figures the docs quote: ZeRO-1's model state against the memory model, the host
 reads each ZeRO config makes per optimizer step, and ZeRO-3's collectives with its bucket sizes as shipped or "auto".
 
-    python scripts/deepspeed_record.py     # -> results/<date>_deepspeed_<device>_<host>.json, about 10 min on 2 cores
+    python scripts/measure/deepspeed_record.py  # results/<date>_deepspeed_<device>_<host>.json, about 10 min on 2 cores
 
 Nine launches of the recipe, 2 processes, bf16 as the JSONs ship it, each with --record_ranks and CLS_COMM=1
 (recipes/testing/probe.py). On the tiny model: zero1, zero1 with "data_types": {"grad_accum_dtype": "fp32"}
@@ -40,8 +40,8 @@ from pathlib import Path
 from recipes.outputs.records import library_versions
 from recipes.testing.probe import COMM_STEPS
 from scripts import memory_model
-from scripts.bench import ACCELERATE, REPO, failure_reason, free_port, hardware, run_env, threads_of
-from scripts.run_record import results_path
+from scripts.measure.bench import ACCELERATE, REPO, failure_reason, free_port, hardware, run_env, threads_of
+from scripts.measure.run_record import results_path
 
 WORLD = 2
 PRECISION = "bf16"
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
                   f"host reads: {reads}; collectives: {calls} ({wall_s:.0f} s)", flush=True)
     hw = hardware()
     result = {"kind": "deepspeed", "date": str(dt.date.today()),
-              "command": shlex.join(["python", "scripts/deepspeed_record.py", *(argv if argv is not None
+              "command": shlex.join(["python", "scripts/measure/deepspeed_record.py", *(argv if argv is not None
                                                                                  else sys.argv[1:])]),
               "model": args.model_name_or_path, "world_size": WORLD, "precision": PRECISION,
               "optimizer_steps": STEPS, "per_device_train_batch_size": MICRO_BATCH,

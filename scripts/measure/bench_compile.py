@@ -1,8 +1,9 @@
 """`make bench BENCH=compile`: the recipe compiled (--torch_compile) beside the recipe eager, on the same work.
 
     make bench BENCH=compile   # 14.3 min on 2 CPU cores (2026-11-27), about 25 min with inductor's cache cold
-    python scripts/bench_compile.py [--runs_dir runs/bench] [--results_dir results]   # the same
-    python scripts/bench_compile.py --models roberta-base --dropout none --sides eager loop --rounds 8 --tag loop
+    python scripts/measure/bench_compile.py [--runs_dir runs/bench] [--results_dir results]   # the same
+    python scripts/measure/bench_compile.py --models roberta-base --dropout none --sides eager loop --rounds 8 \
+        --tag loop
                                # one pair only, more rounds: results/<date>_compile-loop_<device>_<host>.{json,md}
 
 Rows: the tiny model (dynamic padding, as users run it) and the roberta-base shape (random init, batch 8 x 128 fixed
@@ -12,8 +13,8 @@ take turns in interleaved rounds (E C, C E, ...; round r with seed 42 + r, so bo
 samples), as the main bench runs its COMPARED runs, and each ratio is taken within a round: compiled / eager speed
 as median with min-max over the rounds. With dropout a third side takes its turn, compiled with inductor's own
 dropout generator (--torch_compile_rng inductor, the GPU default) beside the CPU default, torch's generator; without
-dropout the plain loop (scripts/bench_baselines.py loop, the same batches) does, for the recipe's MFU against the
-loop's in the same rounds (recipe / loop speed: the loop's step time over the recipe's eager one).
+dropout the plain loop (scripts/measure/bench_baselines.py loop, the same batches) does, for the recipe's MFU against
+the loop's in the same rounds (recipe / loop speed: the loop's step time over the recipe's eager one).
 
 Per run: the median step time over the steps after the warm-up whose graph count did not grow (a step that compiled
 is compile time, reported apart as compile_s, dynamo and inductor's own count), tokens/s as those steps' mean tokens
@@ -39,9 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recipes.outputs.records import library_versions, read_jsonl
-from scripts.bench import (ACCELERATE, PROFILES, PYTHON, REPO, Profile, Run, cpu_matmul_flops, execute,
+from scripts.measure.bench import (ACCELERATE, PROFILES, PYTHON, REPO, Profile, Run, cpu_matmul_flops, execute,
                            free_port, hardware, progress, run_env, threads_of)
-from scripts.bench_report import round_order, slug, spread, unused_stem
+from scripts.measure.bench_report import round_order, slug, spread, unused_stem
 
 SIDES = ("eager", "compiled")
 # With dropout, a third side: compiled with inductor's own dropout generator, the default on GPUs (on CPU the recipe's
@@ -49,8 +50,8 @@ SIDES = ("eager", "compiled")
 INDUCTOR_RNG = "compiled_inductor_rng"
 SIDE_FLAGS = {"eager": [], "compiled": ["--torch_compile"],
               INDUCTOR_RNG: ["--torch_compile", "--torch_compile_rng", "inductor"]}
-# Without dropout, the plain loop (scripts/bench_baselines.py loop: the same batches, the recipe's losses) takes its
-# turn too: its MFU against the recipe's eager one, in the same rounds
+# Without dropout, the plain loop (scripts/measure/bench_baselines.py loop: the same batches, the recipe's losses) takes
+# its turn too: its MFU against the recipe's eager one, in the same rounds
 LOOP = "loop"
 # each side compared with eager: (the ratio's name after the pair's, what its speed is, the side's name in the MFU)
 VERSUS_EAGER = {"compiled": ("", "compiled / eager", "compiled"),
@@ -88,7 +89,7 @@ def without_dropout(work: Work, runs_dir: Path) -> str:
 
 def command(work: Work, model: str, side: str, seed: int, run_dir: Path, threads: int) -> list:
     if side == LOOP:  # one process, no launcher: as `make bench` runs it
-        return [PYTHON, "scripts/bench_baselines.py", "loop", "--model_name_or_path", model,
+        return [PYTHON, "scripts/measure/bench_baselines.py", "loop", "--model_name_or_path", model,
                 *(["--random_init"] if work.random_init else []), "--output_dir", str(run_dir), "--seed", str(seed),
                 "--max_train_samples", str(work.steps * work.batch), "--batch_size", str(work.batch),
                 "--max_eval_samples", str(2 * work.batch), "--learning_rate", str(work.learning_rate),
@@ -280,7 +281,7 @@ def main(argv=None) -> None:
     if args.rounds:
         profile = dataclasses.replace(profile, repeats=args.rounds)
     run(profile, Path(args.runs_dir).resolve(), Path(args.results_dir),
-        "python scripts/bench_compile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "python scripts/measure/bench_compile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         only={"models": args.models, "dropout": args.dropout, "sides": args.sides}, tag=args.tag)
 
 

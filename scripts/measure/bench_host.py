@@ -1,6 +1,6 @@
 """The recipe's host work per training step, piece by piece, against what a hand-written loop does instead.
 
-    python scripts/bench_host.py        # about 20 seconds on 2 CPU cores
+    python scripts/measure/bench_host.py        # about 20 seconds on 2 CPU cores
 
 Each piece is timed with `timeit` (the median of --repeat runs of --number calls) on a model of 18 parameters and
 batches already in memory, so that nothing but the bookkeeping runs: the recipe's `StepLog` (recipes/outputs/
@@ -24,7 +24,7 @@ from accelerate.utils import is_lomo_available
 from tqdm.auto import tqdm
 
 from recipes.outputs import records
-from recipes.training import strategy
+from recipes.training import optimizer_step
 
 
 def pieces(number: int = 2000, repeat: int = 7, folder: Path | None = None) -> dict:
@@ -57,7 +57,7 @@ def pieces(number: int = 2000, repeat: int = 7, folder: Path | None = None) -> d
                           "elapsed": 0.0}, grad_norm)
         return one
 
-    def loop_record():  # what the hand-written loop logs (scripts/bench_baselines.py hand_loop)
+    def loop_record():  # what the hand-written loop logs (scripts/measure/bench_baselines.py hand_loop)
         return {"loss": loss.item(), "tokens": int(batch["attention_mask"].sum()),
                 "padded_tokens": batch["attention_mask"].numel()}
 
@@ -82,8 +82,8 @@ def pieces(number: int = 2000, repeat: int = 7, folder: Path | None = None) -> d
         "AcceleratedScheduler step + get_last_lr, over the scheduler's": (
             per_call(lambda: (p_scheduler.get_last_lr(), p_scheduler.step()))
             - per_call(lambda: (scheduler.get_last_lr(), scheduler.step()))),
-        "strategy.clip_gradients, over clip_grad_norm_": (
-            per_call(lambda: strategy.clip_gradients(accelerator, p_model, 1.0))
+        "optimizer_step.clip_gradients, over clip_grad_norm_": (
+            per_call(lambda: optimizer_step.clip_gradients(accelerator, p_model, 1.0))
             - per_call(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))),
     }
     accelerator.end_training()

@@ -1,7 +1,7 @@
 """The kernel defaults on this device, in-process: SDPA against eager attention and fused AdamW against torch's default
 AdamW, in alternating blocks, each ratio with its 95% t interval over the block pairs.
 
-    python scripts/bench_kernels.py    # CPU: the tiny model and the roberta-base shape; 6.5 minutes on 2 cores
+    python scripts/measure/bench_kernels.py    # CPU: the tiny model and the roberta-base shape; 6.5 minutes on 2 cores
 
 Why in-process: `make bench`'s whole-run rows (`unfused`, `eager_attn`) compare separate launches, where a kernel's
 share of a step (one AdamW step is 1 ms of the tiny model's 70 ms step) sits inside the noise between processes.
@@ -31,11 +31,11 @@ import torch.nn.functional as F
 from recipes import cls
 from recipes.inputs import data
 from recipes.model.source import load_tokenizer
-from scripts.bench import hardware
-from scripts.bench_report import slug
+from scripts.measure.bench import hardware
+from scripts.measure.bench_report import slug
 from scripts.sweep import summary
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # model -> (folder, random init, micro-batch, micro-batches per attention block, optimizer steps per block)
 MODELS = {"tiny": ("artifacts/tiny-roberta", False, 16, 8, 50),
           "roberta-base": ("artifacts/roberta-base-shape", True, 8, 2, 3)}
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"# Kernel defaults on CPU, in-process ({result['date']}, torch {result['torch']}, "
              f"{result['threads']} threads)", "",
-             f"`python scripts/bench_kernels.py`: {args.pairs} block pairs per comparison, the sides' order "
+             f"`python scripts/measure/bench_kernels.py`: {args.pairs} block pairs per comparison, the sides' order "
              "alternating; mean of the per-pair ratios with its 95% t interval.", "",
              "| model | parameters | SDPA / eager attention speed | 95% t | | fused / default AdamW speed | 95% t | "
              "| max \\|Δlogit\\| | max \\|Δparam\\| |", "|---|--:|--:|--:|---|--:|--:|---|--:|--:|"]

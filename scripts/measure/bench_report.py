@@ -1,8 +1,8 @@
 """make bench, the reporting half: throughput from a run's records, ratios, the results files, and the block of
 docs/benchmark.md between the bench markers (BENCH_PAGE).
 
-scripts/bench.py runs the launches and hands this module a results dict; `python scripts/bench.py --rerender
-results/<file>.json` recomputes a results file from its runs' records with this module alone.
+scripts/measure/bench.py runs the launches and hands this module a results dict; `python scripts/measure/bench.py
+--rerender results/<file>.json` recomputes a results file from its runs' records with this module alone.
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import statistics
 from pathlib import Path
 
 from recipes.outputs.records import read_jsonl
-from scripts import bench_load
+from scripts.measure import bench_load
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
 BENCH_PAGE = REPO / "docs" / "benchmark.md"  # the page `make bench` rewrites between the markers (not README.md)
 MIB = 1024**2
@@ -428,7 +428,7 @@ def rounds_table(results: dict) -> list:
 def render_markdown(results: dict, chart_name: str) -> str:
     hw, v = results["hardware"], results["versions"]
     gpus = ", ".join(hw["gpus"]) or "none"
-    when = (f"`{results.get('command', 'scripts/bench.py')}`, started {results['started']}, took "
+    when = (f"`{results.get('command', 'scripts/measure/bench.py')}`, started {results['started']}, took "
             f"{results['duration_s'] / 60:.1f} min.")
     if "rerendered" in results:
         when += f" Throughput and ratios recomputed from the same run records on {results['rerendered']}."
@@ -451,8 +451,9 @@ def render_markdown(results: dict, chart_name: str) -> str:
               "tokens/s: totals over all steps after the warm-up (tokens: non-pad). The ratios below compare the "
               "seconds of the whole epoch within each interleaved round, except the same-process ones: the recipe, "
               "the loop and Trainer in threads of one process taking turns every 5 steps on the same batches, "
-              "compared block by block (scripts/bench_baselines.py alternate). MFU: model FLOP/s (6 x parameters x "
-              "tokens/s, plus attention) over the peak of the devices the run used: the data-sheet peak of the GPU, "
+              "compared block by block (scripts/measure/bench_baselines.py alternate). MFU: model FLOP/s "
+              "(6 x parameters x tokens/s, plus attention) over the peak of the devices the run used: the data-sheet "
+              "peak of the GPU, "
               "or on CPU the best rate of a 1024 x 1024 matmul on the run's threads"
               + (" (" + ", ".join(f"{k}: {v / 1e9:.1f} GFLOP/s" for k, v in results["peak_flops"].items()) + ")"
                  if results.get("peak_flops") else "") + ".", "",
@@ -588,7 +589,7 @@ def rerender(results_json: Path) -> dict:
             if r.get("model_flops_per_s") and tokens_per_s:  # model FLOP/s are proportional to tokens/s
                 r["model_flops_per_s"] *= r["tokens_per_s"] / tokens_per_s
         if r["status"] == "ok" and r.get("model_flops_per_s") and results["hardware"]["device"] == "cpu":
-            # MFU over the peak of every process's threads (scripts/bench.py compute_devices)
+            # MFU over the peak of every process's threads (scripts/measure/bench.py compute_devices)
             peak = (results.get("peak_flops") or {}).get(f"{r['precision']} x{r['threads']} threads")
             r["mfu"] = r["model_flops_per_s"] / (peak * r["world"]) if peak else None
     results["ratios"] = ratios(results["runs"])

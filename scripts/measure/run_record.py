@@ -1,6 +1,6 @@
 """A dated record of a finished run, for the figures the docs quote (`make demo` and `make pairs` write one).
 
-    python scripts/run_record.py demo runs/demo     # -> results/<date>_demo_<device>_<host>.json
+    python scripts/measure/run_record.py demo runs/demo     # -> results/<date>_demo_<device>_<host>.json
 
 The record holds the run's last evaluation (eval.jsonl), its optimizer steps, world size, precision and flags
 (run_config.json), the machine and the library versions; tests/test_docs.py holds the figures README.md and
@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 from recipes.outputs.records import library_versions, read_jsonl
-from scripts.bench import REPO, hardware
-from scripts.bench_report import slug
+from scripts.measure.bench import REPO, hardware
+from scripts.measure.bench_report import slug
 
 
 def results_path(kind: str, hw: dict, results_dir: Path = REPO / "results") -> Path:

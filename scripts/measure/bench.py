@@ -2,7 +2,7 @@
 
     make bench                 # quick: the tiny model in fp32, every strategy + baselines (but unfused, eager_attn)
     make bench BENCH=full      # + roberta-base and roberta-large shapes (random init) in bf16, and every baseline
-    make bench BENCH=compile   # torch.compile vs eager, tiny and roberta-base shape, fp32: scripts/bench_compile.py
+    make bench BENCH=compile   # torch.compile vs eager, tiny and roberta-base shape, fp32: measure/bench_compile.py
 
 Each run trains the same data, seed, number of optimizer steps and effective batch; throughput counts the steps after
 a warm-up, from the recipe's metrics.jsonl (elapsed, samples, tokens). Runs go to runs/bench/<model>_<run>; the
@@ -12,26 +12,26 @@ latest results file).
 
 Runs per model: the recipe under each shipped strategy config (multi-process ones on every GPU, or 2 CPU processes),
 `python recipes/cls.py --data_parallel` where more than one GPU is visible, and nine baselines on one process:
-a hand-written PyTorch loop and transformers.Trainer (scripts/bench_baselines.py, with the recipe's fused AdamW), the
-recipe padding every batch to 128 tokens (--pad_to_max_length) instead of to the longest sequence, the recipe with
-length-grouped batches (--group_by_length), without padding (`padding_free`, --padding_free: each micro-batch packed
-into one row) and both (`padding_free_grouped`), and the recipe with torch's per-parameter AdamW (`unfused`, --optim
-adamw_torch) or eager attention (`eager_attn`) instead of its defaults (recipes/model/kernels.py; BENCH=full only:
-QUICK_BASELINES), the recipe training LoRA adapters of rank 8 and the head on the frozen model (`lora`, --use_peft:
-its model state and speed beside full fine-tuning's; skipped for a model built from random init, or without the lora
-extra); and `alternate`, the recipe, the loop and Trainer in three threads of one process, taking turns every 5
-optimizer steps (scripts/bench_baselines.py alternate), the basis of the overhead ratios. A launch that fails is
+a hand-written PyTorch loop and transformers.Trainer (scripts/measure/bench_baselines.py, with the recipe's fused
+AdamW), the recipe padding every batch to 128 tokens (--pad_to_max_length) instead of to the longest sequence, the
+recipe with length-grouped batches (--group_by_length), without padding (`padding_free`, --padding_free: each
+micro-batch packed into one row) and both (`padding_free_grouped`), and the recipe with torch's per-parameter AdamW
+(`unfused`, --optim adamw_torch) or eager attention (`eager_attn`) instead of its defaults (recipes/model/kernels.py;
+BENCH=full only: QUICK_BASELINES), the recipe training LoRA adapters of rank 8 and the head on the frozen model (`lora`,
+--use_peft: its model state and speed beside full fine-tuning's; skipped for a model built from random init, or without
+the lora extra); and `alternate`, the recipe, the loop and Trainer in three threads of one process, taking turns every 5
+optimizer steps (scripts/measure/bench_baselines.py alternate), the basis of the overhead ratios. A launch that fails is
 reported with its error and skipped.
 
 The one-process runs that the ratios compare (COMPARED) run in interleaved rounds, A B C D E, E D C B A, ..., round r
 with seed 42 + r, so that a change of load on the machine hits every side alike; each ratio is taken within a round
 (the same seed, so the same samples), and reported as the median over the rounds with its min-max and the median's
-95% bootstrap interval (scripts/bench_report.py median_interval); the quick profile runs the HEADLINE ones in 4 more
-rounds by themselves (8 in all), where over 4 the interval is the rounds' min-max. Every run gets the whole
+95% bootstrap interval (scripts/measure/bench_report.py median_interval); the quick profile runs the HEADLINE ones in 4
+more rounds by themselves (8 in all), where over 4 the interval is the rounds' min-max. Every run gets the whole
 machine: on CPU each process gets cores / processes threads (OMP_NUM_THREADS, and --cpu_threads for the recipe),
 recorded as `threads`.
 
-A bench that knows when it was disturbed (scripts/bench_load.py): every launch records its CPU share, the CPU
+A bench that knows when it was disturbed (scripts/measure/bench_load.py): every launch records its CPU share, the CPU
 seconds of its processes / (wall seconds x threads per process x processes), over the whole launch, and others' share,
 the machine's busy CPU (/proc/stat, steal included) less the run's own, over the machine's CPU, at its worst over any
 stretch as long as the run's timed epoch. A run is disturbed when others' share exceeds 0.10 of the machine or its CPU
@@ -46,7 +46,7 @@ results name what was repeated and set aside; --rerender applies the same rule t
 hand, --hog SECONDS@START keeps every core busy for SECONDS from START seconds after the bench starts; on 2 cores,
 about 6 min:
 
-    python scripts/bench.py --strategies --baselines pad128 grouped loop trainer --hog 60@30 \
+    python scripts/measure/bench.py --strategies --baselines pad128 grouped loop trainer --hog 60@30 \
         --results_dir runs/hog --bench_page runs/hog/benchmark.md
 
 The headline ratios should stay within 5% of an idle run's, and the report name the runs it repeated and set aside.
@@ -79,12 +79,13 @@ from typing import Optional
 from recipes.checks.launch_checks import visible_gpus
 from recipes.outputs.records import library_versions, read_jsonl
 from recipes.testing.probe import COMM_VARIABLE
-from recipes.training.strategy import available_cores
-from scripts import bench_load, memory_model, processes
-from scripts.bench_report import (BENCH_PAGE, MIB, epoch_figures, mib, ratio_lines, ratios, rerender, round_order,
-                                  slug, throughput, update_readme, write_results)
+from recipes.training.accelerator import available_cores
+from scripts import memory_model
+from scripts.measure import bench_load, processes
+from scripts.measure.bench_report import (BENCH_PAGE, MIB, epoch_figures, mib, ratio_lines, ratios, rerender,
+                                          round_order, slug, throughput, update_readme, write_results)
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 PYTHON = sys.executable
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
@@ -110,9 +111,9 @@ LORA_R = 8
 COMPARED = ("pad128", "padding_free_grouped", "grouped", "single", "padding_free", "loop", "trainer", "unfused",
             "eager_attn", "lora")
 # The quick profile leaves out `unfused` and `eager_attn`: the kernel defaults are decided in one process by
-# `make bench BENCH=kernels` (scripts/bench_kernels.py: 20 block pairs, each ratio with its t interval), where 4 rounds
-# of whole launches could not tell them apart; their 8 launches (2.9 min on 2026-11-27) kept the quick profile over
-# its 20 minutes (issue 37). BENCH=full still runs them.
+# `make bench BENCH=kernels` (scripts/measure/bench_kernels.py: 20 block pairs, each ratio with its t interval), where 4
+# rounds of whole launches could not tell them apart; their 8 launches (2.9 min on 2026-11-27) kept the quick profile
+# over its 20 minutes (issue 37). BENCH=full still runs them.
 QUICK_BASELINES = tuple(name for name in BASELINES if name not in ("unfused", "eager_attn"))
 # The runs of the ratios that the goals judge (recipe / loop and Trainer / recipe in separate processes, grouping's and
 # padding-free's speed-ups and padding-free with grouping / grouping): the quick profile runs them in more rounds
@@ -154,7 +155,7 @@ PROFILES = {
     "full": Profile(models=[TINY, ModelSpec("roberta-base", "artifacts/roberta-base-shape", True, "bf16", 2e-5),
                             ModelSpec("roberta-large", "artifacts/roberta-large-shape", True, "bf16", 2e-5)],
                     run_timeout=1800),
-    # torch.compile beside eager (scripts/bench_compile.py): tiny and the roberta-base shape, fp32, 2 rounds
+    # torch.compile beside eager (scripts/measure/bench_compile.py): tiny and the roberta-base shape, fp32, 2 rounds
     "compile": Profile(models=[TINY, ModelSpec("roberta-base", "artifacts/roberta-base-shape", True, "fp32", 2e-5)],
                        repeats=2, run_timeout=1200),
 }
@@ -202,7 +203,7 @@ class Run:
     mfu: Optional[float] = None  # model FLOP/s over the device's peak (GPU table, or the CPU's measured matmul peak)
     env: dict = field(default_factory=dict)  # variables this run adds to the shared environment
     alternate: list = field(default_factory=list)  # `alternate`: per block of steps, seconds of recipe, loop, Trainer
-    cpu_s: Optional[float] = None  # CPU seconds of the launch's processes (scripts/bench_load.py)
+    cpu_s: Optional[float] = None  # CPU seconds of the launch's processes (scripts/measure/bench_load.py)
     cpu_share: Optional[float] = None  # cpu_s / (wall_s x threads x world)
     others_share: Optional[float] = None  # others' CPU / the machine's over the launch
     others_peak: Optional[float] = None  # the same at its worst over a stretch as long as the timed epoch
@@ -246,12 +247,12 @@ def plan_command(run: Run, spec: ModelSpec, profile: Profile, run_dir: Path, run
         # One process on one GPU: Trainer would take every visible GPU (nn.DataParallel, a batch per GPU).
         run.env = {"CUDA_VISIBLE_DEVICES": first_gpu()}
     if run.name == "alternate":  # only its epoch times are reported: a small evaluation
-        return [PYTHON, "scripts/bench_baselines.py", "alternate", *shared, "--batch_size", str(batch),
+        return [PYTHON, "scripts/measure/bench_baselines.py", "alternate", *shared, "--batch_size", str(batch),
                 "--precision", spec.precision, "--rounds", str(profile.alternate_rounds), "--max_eval_samples", "64",
                 "--warmup_steps", str(profile.warmup_steps)]
     shared += ["--max_eval_samples", str(profile.eval_samples)] if profile.eval_samples else []
     if run.name in ("loop", "trainer"):
-        return [PYTHON, "scripts/bench_baselines.py", run.name, *shared, "--batch_size", str(batch),
+        return [PYTHON, "scripts/measure/bench_baselines.py", run.name, *shared, "--batch_size", str(batch),
                 "--precision", spec.precision]
     # --logging_steps 1: each step's time is taken after its loss is read, so on GPUs it is the step's real time
     # (as in the hand-written loop and Trainer with logging every step); by default the recipe reads every 10 steps.
@@ -416,7 +417,7 @@ def collect_comm(run: Run, records: list, shape: memory_model.ModelShape) -> Non
 
 
 # Dense peak FLOP/s per GPU from the vendors' data sheets (bf16 tensor core without sparsity; fp32 is TF32 tensor
-# core, which the recipe's fp32 runs use on GPUs, recipes/training/strategy.py use_tf32_matmuls).
+# core, which the recipe's fp32 runs use on GPUs, recipes/training/accelerator.py use_tf32_matmuls).
 GPU_PEAK_FLOPS = {  # name fragment: (bf16, fp32)
     "H200": (989e12, 494e12), "H100 PCIe": (756e12, 378e12), "H100": (989e12, 494e12), "A100": (312e12, 156e12),
     "A10G": (70e12, 35e12), "L40S": (362e12, 183e12), "L4": (121e12, 60e12), "A6000": (155e12, 77e12),
@@ -693,7 +694,8 @@ def padding_costs(spec: ModelSpec, profile: Profile, multiple: int = 8) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--profile", choices=("quick", "full"), default="quick",
-                        help="compile (torch.compile vs eager) is scripts/bench_compile.py: make bench BENCH=compile")
+                        help="compile (torch.compile vs eager) is scripts/measure/bench_compile.py: "
+                        "make bench BENCH=compile")
     parser.add_argument("--strategies", nargs="*", choices=STRATEGIES, default=list(STRATEGIES))
     parser.add_argument("--baselines", nargs="*", choices=BASELINES,
                         help="the baselines to run (default: the profile's; the quick profile leaves out unfused and "
@@ -743,7 +745,7 @@ def main(argv=None) -> None:
         results = run_bench(profile, args.strategies, baselines, Path(args.runs_dir).resolve(), args.recipe)
         if args.hog:
             hog.cancel()
-        results["command"] = "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        results["command"] = "python scripts/measure/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
         if args.tag:
             results["tag"] = args.tag
     paths = write_results(results, Path(args.results_dir), replace=bool(args.rerender))

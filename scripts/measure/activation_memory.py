@@ -1,6 +1,7 @@
 """Activation memory with and without gradient checkpointing, measured on CPU as live tensor bytes.
 
-    python scripts/activation_memory.py --model_name_or_path artifacts/roberta-base-shape --batch_size 16 --seq_len 128
+    python scripts/measure/activation_memory.py --model_name_or_path artifacts/roberta-base-shape --batch_size 16 \
+        --seq_len 128
 
 Builds the classifier from the config (random init, no weights needed: artifacts/roberta-base-shape is the real
 roberta-base shape, made offline by `make offline-model`), runs one training forward on a batch of random token ids
@@ -179,8 +180,8 @@ def main(argv=None) -> None:
         import json
 
         from recipes.outputs.records import library_versions
-        from scripts.bench import hardware
-        from scripts.run_record import results_path
+        from scripts.measure.bench import hardware
+        from scripts.measure.run_record import results_path
 
         hw = hardware()
         path = results_path("activation_memory", hw)

@@ -1,6 +1,6 @@
 """Padding-free attention on a CUDA GPU, in-process: is it exact, and what does it save, per attention path.
 
-    .venv-gpu/bin/python scripts/padding_free_gpu.py    # after `make gpu-check` has made .venv-gpu
+    .venv-gpu/bin/python scripts/measure/padding_free_gpu.py    # after `make gpu-check` has made .venv-gpu
     # on one H100 the three default sizes took over 170 s; --batch_sizes 64,256 --batches 10 took 128 s
 
 On the roberta-base shape (random init, seed 42, dropout 0) and the default data's real lengths (the first
@@ -24,7 +24,7 @@ micro-batch:
    method that removes positions can show its saving in the wall time.
 Results: results/gpu_check_padding_free_<date>_<gpu slug>.{json,md} (beside make gpu-check's own).
 
-    .venv-gpu/bin/python scripts/padding_free_gpu.py --first_steps 60 --batch_sizes 16    # about 2 min on one H100
+    .venv-gpu/bin/python scripts/measure/padding_free_gpu.py --first_steps 60 --batch_sizes 16  # 2 min on one H100
 
 instead times the start of a run: the first N micro-batches of each VARIANTS entry (dynamic padding with and without
 SDPA's cuDNN backend and --pad_to_multiple_of 8, padding-free with and without --pad_to_multiple_of 64), each variant
@@ -48,9 +48,9 @@ from recipes import cls
 from recipes.inputs import data
 from recipes.model import padding_free as pf
 from recipes.model.source import load_tokenizer
-from scripts.bench_report import slug, unused_stem
+from scripts.measure.bench_report import slug, unused_stem
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 AUTOCAST = "cuda"  # the device type of the bf16 autocast
 KERNEL = pf._varlen()  # torch's varlen kernel as recipes/model/padding_free.py found it; forward() switches it per path
 
@@ -192,7 +192,8 @@ def first_steps_table(stem: Path, args) -> None:
     stem.with_suffix(".json").write_text(json.dumps({"gpu": name, "date": str(dt.date.today()),
                                                      "torch": torch.__version__, "rows": rows}, indent=1) + "\n")
     lines = [f"# The first steps of a run on {name} ({dt.date.today()}, torch {torch.__version__})", "",
-             "scripts/padding_free_gpu.py --first_steps: roberta-base shape, random init, dropout 0, bf16 autocast, "
+             "scripts/measure/padding_free_gpu.py --first_steps: roberta-base shape, random init, dropout 0, "
+             "bf16 autocast, "
              "the default data's first micro-batches; each variant in a process of its own; every micro-batch "
              "timed alone (forward + backward, synchronised) after one untimed.", "",
              "| variant | batch | micro-batches | distinct shapes | positions | total s | ms mean, first half | "
@@ -260,7 +261,8 @@ def write_results(result: dict, stem: Path) -> None:
     """<stem>.json (the rows as measured) and <stem>.md (their table)."""
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"# Padding-free attention on {result['gpu']} ({result['date']}, torch {result['torch']})", "",
-             "scripts/padding_free_gpu.py: roberta-base shape, random init (seed 42), dropout 0, the default data's "
+             "scripts/measure/padding_free_gpu.py: roberta-base shape, random init (seed 42), dropout 0, "
+             "the default data's "
              "first micro-batches; speed: forward + backward in bf16 autocast, best of 3 interleaved rounds; kernel "
              "time: the sum of the CUDA kernels' durations in one more round under torch.profiler (GPU busy: kernel "
              "time / wall time of that round); unseen: varlen / dynamic padding once on the same samples shuffled "

@@ -1,16 +1,16 @@
-"""What a user would write instead of the recipe, as far as its first optimizer step: scripts/bench_startup.py's
+"""What a user would write instead of the recipe, as far as its first optimizer step: scripts/measure/bench_startup.py's
 baselines for the time from launch to step 1.
 
-    accelerate launch --config_file accelerate_configs/single.yaml scripts/first_step.py loop \
+    accelerate launch --config_file accelerate_configs/single.yaml scripts/measure/first_step.py loop \
         --model_name_or_path artifacts/tiny-roberta --train_file train.csv --validation_file validation.csv \
         --output_dir runs/first_step_loop
-    accelerate launch ... scripts/first_step.py trainer ...   # the same through transformers.Trainer
+    accelerate launch ... scripts/measure/first_step.py trainer ...   # the same through transformers.Trainer
 
 Both read CSV files of `text,label` (integer labels) with `datasets.load_dataset("csv")`, tokenize both splits with
 the model's tokenizer (truncation at --max_length, as the recipe's default 128) in one batched `map`, and train with
 dynamic padding (DataCollatorWithPadding), AdamW and a linear schedule at --batch_size; each appends one line to
-<output_dir>/metrics.jsonl after each optimizer step, the record scripts/bench_startup.py watches for. The Trainer
-logs to TensorBoard, as the recipe does by default; the loop logs nothing else. Neither imports anything of this
+<output_dir>/metrics.jsonl after each optimizer step, the record scripts/measure/bench_startup.py watches for. The
+Trainer logs to TensorBoard, as the recipe does by default; the loop logs nothing else. Neither imports anything of this
 repository (a user's script would not), and each imports only what it uses: the loop never imports the Trainer.
 """
 from __future__ import annotations
