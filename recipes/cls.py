@@ -29,7 +29,8 @@ from recipes import RecipeError, hooks
 from recipes.checkpoints import best_model, checkpoint, contract, elastic, preemption
 from recipes.checks import launch_checks
 from recipes.inputs import data, problem, streaming, tasks
-from recipes.model import activation_checkpointing, adapters, compilation, kernels, memstats, padding_free, source
+from recipes.model import (activation_checkpointing, adapters, compilation, decoders, kernels, memstats, padding_free,
+                           source)
 from recipes.outputs import calibration, predict, profiling, records, report, tracking
 from recipes.training import accelerator as setup, micro_batch, optimizer_step, process, schedule
 from recipes.workarounds import transformers as transformers_fixes
@@ -45,14 +46,14 @@ def build_model(cfg: Config, names: list[str], pinned: dict | None = None):
     if cfg.random_init:
         config = AutoConfig.from_pretrained(cfg.model_name_or_path, **labels, **hub)
         with kernels.attention_refused(cfg):
-            return padding_free.apply(cfg, AutoModelForSequenceClassification.from_config(
+            return decoders.apply(cfg, padding_free.apply(cfg, AutoModelForSequenceClassification.from_config(
                 config, trust_remote_code=cfg.trust_remote_code, dtype=config.dtype if dtype == "auto" else dtype,
-                **attention))  # --padding_free: per-sequence attention
+                **attention)))  # --padding_free: per-sequence attention; decoders: pad id, last-token pooling
     with source.mismatched_sizes_refused(cfg), kernels.attention_refused(cfg):
         model = AutoModelForSequenceClassification.from_pretrained(
             cfg.model_name_or_path, **labels, **hub, **attention, dtype=dtype,
             ignore_mismatched_sizes=cfg.ignore_mismatched_sizes)
-    model = padding_free.apply(cfg, transformers_fixes.drop_unused_weight_renamings(model))
+    model = decoders.apply(cfg, padding_free.apply(cfg, transformers_fixes.drop_unused_weight_renamings(model)))
     return adapters.apply(cfg, model, pinned)  # --use_peft: LoRA, the base frozen, its files pinned for the merge
 
 
@@ -63,8 +64,11 @@ def param_groups(model, weight_decay: float) -> list[dict]:
     `decayed` marks the group a --force_resume'd --weight_decay goes to (contract.apply_changes)."""
     params = [p for p in model.parameters() if p.requires_grad]
     matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
-    return [{"params": [p for p, m in zip(params, matrix) if m], "weight_decay": weight_decay, "decayed": True},
-            {"params": [p for p, m in zip(params, matrix) if not m], "weight_decay": 0.0, "decayed": False}]
+    groups = [{"params": [p for p, m in zip(params, matrix) if m], "weight_decay": weight_decay, "decayed": True},
+              {"params": [p for p, m in zip(params, matrix) if not m], "weight_decay": 0.0, "decayed": False}]
+    # an empty group (LoRA on a decoder without biases trains matrices only) would be dropped by DeepSpeed 0.19.8's
+    # ZeRO-3 optimizer, and the schedule built on both groups then fails at its first step
+    return [g for g in groups if g["params"]]
 
 
 def loss_scale(accum: int, world: int, n_window: int) -> float:

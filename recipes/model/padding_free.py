@@ -43,7 +43,8 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from recipes import RecipeError
+from recipes import RecipeError, first_line
+from recipes.model import decoders
 
 NAME = "padding_free_sdpa"  # the attention implementation registered in transformers' AttentionInterface
 # model_type -> the module whose output is the sequence output the pooler or head reads (a path under base_model;
@@ -61,8 +62,14 @@ def check_model(cfg, config) -> None:
     """Start-up: --padding_free on an encoder it is exact for, without flags it cannot serve."""
     if not cfg.padding_free:
         return
+    if decoders.is_decoder_config(config, cfg.trust_remote_code):
+        if getattr(config.get_text_config(), "attn_logit_softcapping", None):
+            raise RecipeError(f"--padding_free: {config.model_type} caps its attention scores "
+                              "(attn_logit_softcapping), which SDPA cannot: drop --padding_free")
+        return
     if config.model_type not in SEQUENCE_OUTPUT:
-        raise RecipeError(f"--padding_free supports {', '.join(sorted(SEQUENCE_OUTPUT))}; {config.model_type} "
+        raise RecipeError(f"--padding_free supports {', '.join(sorted(SEQUENCE_OUTPUT))} and decoder classifiers; "
+                          f"{config.model_type} "
                           f"({cfg.model_name_or_path}) does not route attention through transformers' attention "
                           f"interface with sequence boundaries: drop --padding_free")
     if config.model_type == "modernbert" and getattr(config, "classifier_pooling", "cls") != "cls":
@@ -272,7 +279,15 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
-    if _takes_varlen(query, dropout, sliding_window):  # the packed row as it is: no re-pad, no host sync
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise RecipeError(f"--padding_free: {type(module).__name__} passes score capping or sinks to its attention, "
+                          "which SDPA cannot run: drop --padding_free")
+    decoders.PACKED_CALLS[0] += 1  # a decoder checks that every layer's attention came here
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:  # grouped-query attention: each key-value head serves `groups` query heads
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    causal = getattr(module, "is_causal", False)  # a decoder: each token sees its own sequence up to itself
+    if not causal and _takes_varlen(query, dropout, sliding_window):  # the packed row as it is: no re-pad, no sync
         out = _varlen()(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_seq_lens_q,
                       cu_seq_lens_q, max_length_q, max_length_q, scale=scaling)
         return out.unsqueeze(0), None  # (1, R, heads, d)
@@ -281,8 +296,10 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     outs = []
     for g, (first, n, longest, real) in enumerate(plan.groups):
         allowed = real[:, None, None, :]  # keys of the query's own sequence
-        if sliding_window is not None:  # ModernBERT's local layers (5.23 passes half the window + 1)
-            offsets = torch.arange(longest, device=query.device)
+        offsets = torch.arange(longest, device=query.device)
+        if causal:
+            allowed = allowed & (offsets[:, None] >= offsets[None, :])
+        if sliding_window is not None:  # ModernBERT's local layers (5.23 passes half the window + 1), Mistral's
             allowed = allowed & ((offsets[:, None] - offsets[None, :]).abs() < sliding_window)
         outs.append(F.scaled_dot_product_attention(*grouped[3 * g:3 * g + 3], attn_mask=allowed, dropout_p=dropout,
                                                    scale=scaling))  # (n, heads, longest, d)
@@ -375,10 +392,16 @@ def apply(cfg, model):
     # attention name that has no mask function (masking_utils._preprocess_mask_arguments), so sdpa's is registered.
     AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     if cfg.attn_implementation not in ("flash_attention_2", "flash_attention_3"):
-        model.set_attn_implementation(NAME)
+        try:
+            model.set_attn_implementation(NAME)
+        except ValueError as err:  # transformers 5.23: a model that runs no SDPA-like attention (gpt-oss's sinks)
+            raise RecipeError(f"--padding_free: {first_line(err)}; drop --padding_free") from None
     if model.config._attn_implementation not in (NAME, "flash_attention_2", "flash_attention_3"):
         raise RecipeError(f"--padding_free: {type(model).__name__} kept attention "
                           f"'{model.config._attn_implementation}'; drop --padding_free")
+    if decoders.is_decoder_classifier(model):  # it pools each sequence's last token from the boundaries itself
+        model.packed_tail = bool(row_multiple(cfg))  # the boundaries of a rounded-up row end in the filler's
+        return model
     module = model.base_model.get_submodule(SEQUENCE_OUTPUT[model.config.model_type])
     module.register_forward_hook(partial(repad, tail=bool(row_multiple(cfg))), with_kwargs=True)
     return model

@@ -7,7 +7,7 @@ import contextlib
 from pathlib import Path
 
 from recipes import RecipeError, first_line
-from recipes.model import adapters, hub, padding_free
+from recipes.model import adapters, decoders, hub, padding_free
 
 # What a tokenizer is read from (transformers 5.23: tokenizer.json, or the slow tokenizers' vocabulary files).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "merges.txt", "spm.model",
@@ -63,7 +63,8 @@ def loading_kwargs(cfg) -> dict:
 
 
 def load_tokenizer(cfg):
-    """The tokenizer of --tokenizer_name, else of the model; a RecipeError naming it when it cannot be loaded."""
+    """The tokenizer of --tokenizer_name, else of the model, with a pad token (its eos token where it has none); a
+    RecipeError naming it when it cannot be loaded."""
     from transformers import AutoTokenizer
 
     name = cfg.tokenizer_name or cfg.model_name_or_path
@@ -87,6 +88,7 @@ def load_tokenizer(cfg):
     if len(tokenizer) < MIN_VOCABULARY:
         raise RecipeError(f"cannot load the tokenizer of '{name}': it came out with {len(tokenizer)} tokens, so its "
                           "files are missing or unreadable; give one with --tokenizer_name")
+    decoders.give_pad_token(tokenizer, name)  # Llama-family tokenizers have none: their eos token pads
     return tokenizer
 
 
