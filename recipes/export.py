@@ -105,7 +105,9 @@ def probes(rows: validation.Rows, longest: Optional[int]) -> dict:
     return shapes
 
 
-def check_parity(cfg, found, session, torch_model, rows, collate, threshold, longest, say) -> dict:
+def check_parity(cfg, found, runners: tuple, rows, collate, threshold, longest, say) -> dict:
+    """`runners`: (ONNX Runtime session, PyTorch model) on the same rows, then on the probe shapes."""
+    session, torch_model = runners
     reference = batching.logits_in_input_order(torch_model, collate, rows.encodings, cfg.batch_size)
     exported = batching.logits_in_input_order(session, collate, rows.encodings, cfg.batch_size)
     result = {"data": rows.what, "bound": parity.MAX_ABS_DIFFERENCE, "tie_margin": parity.TIE_MARGIN,
@@ -176,7 +178,7 @@ def main(cfg: ExportConfig, say=print) -> dict:
         say(f"exporting {found.folder} ({found.problem_type}, {len(found.names)} outputs, inputs {', '.join(names)})")
         onnx_export.export(torch_model.model, trace_sample(rows, names, collate), staging / classifier.ONNX_FILE)
         session = runtime.OnnxRunner(staging / classifier.ONNX_FILE, cpu, threads)
-        checked = check_parity(cfg, found, session, torch_model, rows, collate, threshold,
+        checked = check_parity(cfg, found, (session, torch_model), rows, collate, threshold,
                                found.pipeline_length(tokenizer), say)
         say(f"parity on {rows.what}: max |logit difference| {checked['max_abs_logit_difference']:.2e} (bound "
             f"{parity.MAX_ABS_DIFFERENCE:g}), the same decision on every row but {checked['near_ties']} near-tie(s) "

@@ -113,6 +113,22 @@ def test_recipes_packages_import_down_their_floors():
     assert importers == {"recipes/cls.py"}
 
 
+def test_no_function_in_recipes_is_longer_than_60_lines_or_takes_more_than_8_parameters():
+    """A function a reader takes in at once: at most 60 lines and 8 parameters (self, *args and **kwargs count as
+    one each, self not at all), in every module of recipes/."""
+    found = []
+    for path in sorted((REPO / "recipes").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+                count = len(names) - (names[:1] in (["self"], ["cls"])) + bool(a.vararg) + bool(a.kwarg)
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 60 or count > 8:
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {lines} lines, {count} params")
+    assert found == []
+
+
 def test_layout_page_lists_every_file():
     """docs/layout.md names every file of recipes/ (a package's modules by name under its folder), scripts/, tests/,
     accelerate_configs/ and docs/, and nothing that is not there."""

@@ -226,7 +226,7 @@ def test_rounded_rows_end_in_a_filler_sequence_the_head_never_sees():
 def test_encoders_without_an_exact_path_are_refused_at_start(arch):
     from transformers import AutoConfig
 
-    cfg = types.SimpleNamespace(padding_free=True, model_name_or_path=f"my-{arch}")
+    cfg = types.SimpleNamespace(padding_free=True, model_name_or_path=f"my-{arch}", trust_remote_code=False)
     with pytest.raises(RecipeError, match=f"--padding_free supports .*; {arch} \\(my-{arch}\\)"):
         padding_free.check_model(cfg, AutoConfig.for_model(arch))
     modern = AutoConfig.for_model("modernbert", classifier_pooling="mean")

@@ -96,8 +96,8 @@ def test_length_grouping_orders_each_block_by_global_batches(tmp_path):
 
 def test_window_weights_ride_on_each_row(tmp_path):
     shards = streaming.shard_files(str(write_shards(tmp_path / "data")))
-    rows = take(streaming.RowStream(shards, COLUMNS, int, seed=42, block_rows=8, window=6,
-                                    weight=lambda label: 3.0 if label == 1 else 1.0), 12)
+    rows = take(streaming.RowStream(shards, COLUMNS, int, seed=42, block_rows=8,
+                                    weighting=(6, lambda label: 3.0 if label == 1 else 1.0)), 12)
     for w in range(2):
         window = rows[6 * w:6 * (w + 1)]
         assert {r[streaming.WINDOW_WEIGHT] for r in window} == {sum(3.0 if r["label"] == 1 else 1.0 for r in window)}

@@ -125,12 +125,14 @@ class Position:
 
 class RowStream(torch.utils.data.IterableDataset):
     """The rows of every pass in the run's order (module docstring), endless, from `start`. Each row: its text(s),
-    its encoded label, ROW_ID and, with `weight`, the weight sum of the window of `window` rows it belongs to."""
+    its encoded label, ROW_ID and, with `weighting` (rows in a window, the weight of a label), the weight sum of the
+    window it belongs to."""
 
     def __init__(self, shards: list[Path], columns: dict, encode_label, seed: int, block_rows: int,
-                 group_size: int = 0, window: int = 1, weight=None, start: Position = Position()):
+                 group_size: int = 0, weighting: Optional[tuple] = None, start: Position = Position()):
         self.shards, self.columns, self.encode_label, self.seed = shards, columns, encode_label, seed
-        self.block_rows, self.group_size, self.window, self.weight = block_rows, group_size, window, weight
+        self.block_rows, self.group_size = block_rows, group_size
+        self.window, self.weight = weighting or (1, None)
         self.start = start
         self.blocks: deque = deque(maxlen=64)  # (rows emitted before the block, its Position) of recent blocks
         self.emitted = 0
@@ -336,8 +338,8 @@ def build_loaders(cfg, stream_data: StreamData, tokenizer, world_size: int, resu
     step_rows = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world_size
     columns = {"text": cfg.text_column, "label": cfg.label_column, "text_pair": cfg.text_pair_column}
     stream = RowStream(stream_data.shards, columns, stream_data.encode_label, cfg.seed, cfg.stream_block_rows,
-                       group_size=step_rows if cfg.group_by_length else 0, window=step_rows,
-                       weight=(lambda label: weights[label]) if weights is not None else None,
+                       group_size=step_rows if cfg.group_by_length else 0,
+                       weighting=(step_rows, lambda label: weights[label]) if weights is not None else None,
                        start=Position.of(getattr(resume, "stream", None) if resume is not None else None))
     # The main process reads and tokenizes (a worker would read the whole stream again). An own generator, as the
     # map-style loaders have: a new iterator would otherwise draw its seed from the global RNG, shifting dropout.

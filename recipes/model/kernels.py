@@ -1,37 +1,23 @@
 """The fastest correct optimizer and attention kernels for the device, chosen once and recorded in run_config.json.
+The figures behind each default are in docs/speed.md ("Kernels") and the results files it links.
 
 Optimizer (--optim, the names of transformers' TrainingArguments.optim):
-- `adamw_torch_fused` (default): torch's fused AdamW, one kernel over all the parameters of a group instead of a
-  handful of ops per parameter. torch 2.13 has it on CPU, CUDA, MPS and XPU, as transformers 5.23's Trainer assumes
-  when it picks it by default for torch >= 2.8. Measured here (2 CPU threads, one AdamW step over the model's
-  parameters, `make bench` prints the whole-run figure): tiny RoBERTa (1.5 M parameters) 1.0 ms fused, 3.8 ms with
-  torch's default for CPU tensors (a loop over parameters), 3.6 ms foreach; roberta-base shape (125 M) 44 ms
-  fused, 399 ms loop, 452 ms foreach. The same update rule, rounded differently: per-step losses agree with
-  `adamw_torch` within float tolerance (tests/test_kernels.py).
+- `adamw_torch_fused` (default): torch's fused AdamW, one kernel over a group's parameters instead of a few ops per
+  parameter; torch 2.13 has it on CPU, CUDA, MPS and XPU (transformers 5.23's Trainer picks it by default for torch
+  >= 2.8). The same update rule, rounded differently: per-step losses agree with `adamw_torch` (tests/test_kernels.py).
 - `adamw_torch`: torch's default implementation for the device (a per-parameter loop on CPU, foreach on CUDA).
-On a device torch has no fused kernel for, `adamw_torch_fused` falls back to `adamw_torch` and says so.
-DeepSpeed offload configs replace either by DeepSpeed's CPU Adam (Accelerate 1.15.0, see recipes/cls.py); under
-ZeRO without offload the chosen torch AdamW steps ZeRO's fp32 partitions; under FSDP2 it steps the DTensor shards.
+On a device torch has no fused kernel for, `adamw_torch_fused` falls back to `adamw_torch` and says so. DeepSpeed
+offload configs replace either by DeepSpeed's CPU Adam; under ZeRO without offload the torch AdamW steps ZeRO's fp32
+partitions; under FSDP2 the DTensor shards.
 
-A resumed run keeps the choice of its flags: torch's Optimizer.load_state_dict (2.13) takes the saved param groups'
-options, fused included, so `apply_after_load` sets the flags' value again and moves the step counters where the
-fused kernel keeps them (float32 on the parameter's device).
+A resumed run keeps the choice of its flags: torch 2.13's Optimizer.load_state_dict takes the saved groups' options,
+fused included, so `apply_after_load` sets the flags' value again and moves the step counters where the fused kernel
+keeps them (float32 on the parameter's device).
 
-Attention (--attn_implementation): transformers' choice by default, which for RoBERTa, BERT and most encoders in
-5.23 is `sdpa` (torch's scaled_dot_product_attention: flash or memory-efficient kernels where the device has them);
-`eager` is the model's own matmul-softmax-matmul. The one the model runs with is recorded.
-
-On CPU both defaults follow in-process blocks (scripts/bench_kernels.py, 20 pairs, docs/speed.md "Kernels"): the
-fused AdamW step 4.7x (tiny) and 6.0x (roberta-base shape) the speed of torch's per-parameter loop, intervals above 1;
-SDPA 0.996x eager attention on the roberta-base shape (95% t 0.967-1.026: no difference shown), 0.963x on the 1.5 M
-test model only.
-On GPUs both defaults follow the GPU figures there are (one H100, bf16, roberta-base shape; docs/speed.md "Kernels"):
-fused AdamW 1.10x `adamw_torch`'s speed (batch 16, 30 steps, one round); SDPA, but without its cuDNN backend
-(`--sdpa_cudnn` allows it; torch.backends.cuda.enable_cudnn_sdp, a switch for the whole process, set once at start-up
-on CUDA). For a padded batch with a mask, torch 2.11 picks cuDNN's attention on that GPU, which prepares each new
-sequence length on first use: the first 60 micro-batches of batch 16 took 12.8 s (a fresh machine) and 4.1 s (warm)
-with it, 2.5 s and 2.7 s without it (each in a process of its own; batch 64: 1.41 against 1.06 s); without it SDPA
-runs torch's memory-efficient kernel, as before torch chose cuDNN there. The setting is recorded in run_config.json.
+Attention (--attn_implementation): transformers' choice by default (`sdpa` for most encoders in 5.23); `eager` is the
+model's own matmul-softmax-matmul. On CUDA, SDPA runs without its cuDNN backend unless --sdpa_cudnn
+(torch.backends.cuda.enable_cudnn_sdp, one switch for the whole process): torch 2.11 picks cuDNN's attention for a
+padded batch with a mask, which prepares each new sequence length on first use. The choices are recorded.
 """
 from __future__ import annotations
 

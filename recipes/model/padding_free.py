@@ -268,12 +268,15 @@ def _plan(bounds: torch.Tensor, longest, total: int) -> _Plan:
     return _LAST_PLAN[1]
 
 
-def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, cu_seq_lens_q=None,
-              max_length_q=None, sliding_window=None, **kwargs):
+def attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' attention interface (5.23): query/key/value (batch, heads, positions, head size) in, the output
-    (batch, positions, heads, head size) out. A packed row (boundaries given) runs per length group: its sequences
-    re-padded to the group's longest, one SDPA call with a key mask per group. A padded batch (the auto micro-batch
-    probe's, a user's own call) runs as `sdpa`."""
+    (batch, positions, heads, head size) out; the keywords as transformers passes them (dropout, scaling,
+    sliding_window, the packed row's cu_seq_lens_q and max_length_q). A packed row (boundaries given) runs per length
+    group: its sequences re-padded to the group's longest, one SDPA call with a key mask per group. A padded batch (the
+    auto micro-batch probe's, a user's own call) runs as `sdpa`."""
+    dropout, scaling = kwargs.pop("dropout", 0.0), kwargs.pop("scaling", None)
+    sliding_window = kwargs.pop("sliding_window", None)
+    cu_seq_lens_q, max_length_q = kwargs.pop("cu_seq_lens_q", None), kwargs.pop("max_length_q", None)
     if cu_seq_lens_q is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -282,7 +285,8 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise RecipeError(f"--padding_free: {type(module).__name__} passes score capping or sinks to its attention, "
                           "which SDPA cannot run: drop --padding_free")
-    decoders.PACKED_CALLS[0] += 1  # a decoder checks that every layer's attention came here
+    if not torch.compiler.is_compiling():  # a compiled graph would guard on the count and recompile at each call
+        decoders.PACKED_CALLS[0] += 1  # a decoder checks that every layer's attention came here
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:  # grouped-query attention: each key-value head serves `groups` query heads
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
