@@ -7,8 +7,8 @@ OUT     ?= runs/demo
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: demo pairs test venv offline-model bench clean gpu-wheels gpu-check fetch-pretrained demo-pretrained sweep \
-	fetch-smollm2 demo-decoder
+.PHONY: demo pairs test test-fast venv offline-model bench clean gpu-wheels gpu-check fetch-pretrained demo-pretrained \
+	sweep fetch-smollm2 demo-decoder
 
 venv: .venv/.installed
 .venv/.installed: pyproject.toml
@@ -46,6 +46,13 @@ pairs: offline-model
 TEST_WORKERS ?= 2
 test: offline-model fetch-pretrained fetch-smollm2
 	$(PY) -m pytest -q -rs --durations=40 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests  # -rs: every skip prints its reason
+
+# The unit tests of every module (no 2-process launch) and one launch per strategy family: DDP, FSDP2, a DeepSpeed
+# stage. A quick check before `make test`, which CI runs whole.
+FAST_LAUNCHES := $(foreach c,ddp fsdp zero2,"tests/test_strategies.py::test_shipped_config_trains_to_completion[$(c).yaml]")
+test-fast: offline-model fetch-pretrained fetch-smollm2
+	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile -m "not multiproc" tests
+	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) $(FAST_LAUNCHES)
 
 # Writes results/<date>_<device>_<host>.{md,json,png} and rewrites the table between the bench markers of
 # docs/benchmark.md. BENCH_MODEL=<folder or Hub id> benches that encoder instead of the tiny RoBERTa (the page is

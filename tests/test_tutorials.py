@@ -241,7 +241,7 @@ def test_readme_zh_commands_match_readme():
     assert any(c.startswith("torchrun") for row in en["strategies"] for c in row)
     # the benchmark ratios themselves are checked against the latest results file in tests/test_docs.py
     assert "0.8873" in en["figures"] and any(f.endswith("x") for f in en["figures"]) and "35,123" in en["thousands"]
-    assert any("--resume_from_checkpoint latest" in line for block in en["commands"] for line in block)
+    assert any("--resume_from_checkpoint auto" in line for block in en["commands"] for line in block)
 
 
 # Multi-process: ZeRO-1, torchrun, gradient checkpointing vs one DDP reference ---------------------------------
