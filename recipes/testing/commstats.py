@@ -126,7 +126,6 @@ class CommCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         # imported here, not with the module: `import recipes.cls` need not pay for a test instrument that is off
-        # (1.4 s in torch 2.13; a multi-process run imports it later through accelerate anyway, docs/speed.md)
         from torch.distributed.tensor import DTensor
 
         self.dtensor = DTensor
