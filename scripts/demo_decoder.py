@@ -92,8 +92,9 @@ def run_once(args, split: str, lr: float, seed: int, start: list[str], run_dir: 
 
 def latest(results_dir: Path, kind: str) -> tuple[Path, dict] | None:
     """The newest record of `kind` (<date>_<kind>_<device>_<host>.json) in results_dir."""
-    paths = sorted(p for p in results_dir.glob("*.json") if record_kind(p.stem) == kind)
-    return (paths[-1], json.loads(paths[-1].read_text())) if paths else None
+    found = [(p, json.loads(p.read_text())) for p in sorted(results_dir.glob("*.json")) if record_kind(p.stem) == kind]
+    found = [(p, r) for p, r in found if r.get("kind") == kind]  # not decoder_memory_*, which names another kind
+    return found[-1] if found else None
 
 
 def record_kind(stem: str) -> str | None:

@@ -2,8 +2,10 @@
 2-layer cut (make fetch-pretrained); tiny decoders. The helpers tests share are in helpers.py."""
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -141,6 +143,34 @@ def pytest_configure(config):
         raise pytest.UsageError(problem)
 
 
+# What starts a process: the recipe under a launcher, a script, a worker. A test is marked `launch` when its code, a
+# function of its module it calls, or a fixture it uses (at any depth) contains one of these.
+STARTS_A_PROCESS = ("run_recipe(", "run_in_own_group(", "subprocess.", "Popen(")
+
+
+def starts_a_process(func, seen: set) -> bool:
+    """Whether `func`'s source, or that of a module-level function it names, starts a process."""
+    if func is None or func in seen:
+        return False
+    seen.add(func)
+    try:
+        source = inspect.getsource(func)
+    except (OSError, TypeError):
+        return False
+    if any(call in source for call in STARTS_A_PROCESS):
+        return True
+    names = set(re.findall(r"\b([A-Za-z_]\w*)\(", source))
+    module = inspect.getmodule(func)
+    return any(inspect.isfunction(getattr(module, name, None)) and starts_a_process(getattr(module, name), seen)
+               for name in names)
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # `make test-fast` leaves out what starts a process (the `launch` marker)
+        # pytest 9.2: the fixtures an item uses, its closure included, are only reachable through _fixtureinfo
+        fixtures = [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
+        seen: set = set()
+        if any(starts_a_process(f, seen) for f in [getattr(item, "function", None), *fixtures]):
+            item.add_marker(pytest.mark.launch)
     rank = {name: i for i, name in enumerate(LONG_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))  # stable: the rest keep their order

@@ -67,6 +67,15 @@ def disk_problem(folder: Path, need_gb: float | None = None) -> str | None:
             "free: free some, or pass --basetemp DIR on a disk with room")
 
 
+def tiny_flags(flags) -> list[str]:
+    """TINY_FLAGS for a launch with `flags`: a stream has no "first N rows" (the recipe refuses --max_train_samples)."""
+    tiny = list(TINY_FLAGS)
+    if "--streaming" in flags:
+        at = tiny.index("--max_train_samples")
+        del tiny[at:at + 2]
+    return tiny
+
+
 def run_recipe(output_dir: Path, *flags: str, config: str | None = "ddp.yaml", launch_args=(), timeout=600,
                check=True, env=None) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file accelerate_configs/<config> recipes/cls.py ...` (or plain python if None)."""
@@ -75,7 +84,7 @@ def run_recipe(output_dir: Path, *flags: str, config: str | None = "ddp.yaml", l
     else:
         cmd = [ACCELERATE, "launch", "--config_file", f"accelerate_configs/{config}",
                "--main_process_port", str(free_port()), *launch_args, "recipes/cls.py"]
-    cmd += [*TINY_FLAGS, "--output_dir", str(output_dir), *flags]
+    cmd += [*tiny_flags(flags), "--output_dir", str(output_dir), *flags]
     proc = run_in_own_group(cmd, timeout, env={**os.environ, **(env or {})})
     if check and proc.returncode != 0:
         raise AssertionError(f"recipe failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-6000:]}")

@@ -173,7 +173,7 @@ def test_stream_killed_twice_resumes_to_the_uninterrupted_run(stream_data, no_dr
     and again after step 7, each time the same command again: the losses of all 8 steps equal the uninterrupted
     run's (0 difference); each resume saves the step right after it; the uninterrupted run trains each of the 100
     rows once in its first pass, and the last run's steps train the reference's rows."""
-    from helpers import ACCELERATE, REPO, TINY_FLAGS, free_port, kill_group, losses, read_jsonl, run_recipe
+    from helpers import ACCELERATE, REPO, free_port, kill_group, losses, read_jsonl, run_recipe, tiny_flags
 
     ref_steps = step_rows(stream_reference, 3)
     first_pass = sum(ref_steps, [])[:100]
@@ -182,7 +182,7 @@ def test_stream_killed_twice_resumes_to_the_uninterrupted_run(stream_data, no_dr
     flags = stream_flags(stream_data, no_dropout_model, "--gradient_accumulation_steps", "3")
     for wait_step in (5, 7):
         cmd = [ACCELERATE, "launch", "--config_file", "accelerate_configs/ddp.yaml", "--main_process_port",
-               str(free_port()), "recipes/cls.py", *TINY_FLAGS, "--output_dir", str(out), *flags]
+               str(free_port()), "recipes/cls.py", *tiny_flags(flags), "--output_dir", str(out), *flags]
         with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True, env={**os.environ, "CLS_FAULT": f"wait:{wait_step}:0"}) as proc:
             deadline = time.monotonic() + 300
@@ -195,7 +195,7 @@ def test_stream_killed_twice_resumes_to_the_uninterrupted_run(stream_data, no_dr
         assert not (out / "checkpoints" / f"step_{wait_step}").exists()
     run_recipe(out, *flags)
     assert losses(out) == losses(stream_reference)
-    assert step_rows(out, 3) == ref_steps[-1:]  # the last launch trained step 8, after resuming from step 7
+    assert step_rows(out, 3) == ref_steps[-2:]  # the last launch resumed from step 6 and trained steps 7 and 8
     state = json.loads((out / "checkpoints" / "step_8" / "trainer_state.json").read_text())
     assert state["stream"]["pass_"] == 1 and state["world_size"] == 2
 
@@ -229,24 +229,28 @@ def test_a_bad_row_stops_at_its_step_and_the_fixed_stream_resumes(stream_data, n
     for f in (stream_data / "shards").iterdir():
         (data / "shards" / f.name).write_text(f.read_text())
     (data / "val.csv").write_text((stream_data / "val.csv").read_text())
-    good = (data / "shards" / "part2.csv").read_text()
+    # the second shard of pass 0's order, 20 lines in: inside the stream's second block of 32 rows, met at step 5 of
+    # 8 rows a step (checkpoints 1-4 written)
+    shards = streaming.shard_files(str(data / "shards"))
+    bad = shards[streaming.RowStream(shards, COLUMNS, int, seed=42, block_rows=32).shard_order(0)[1]]
+    good = bad.read_text()
     lines = good.splitlines()
-    (data / "shards" / "part2.csv").write_text("\n".join(lines[:20] + ['"an unclosed quote,1'] + lines[20:]) + "\n")
+    bad.write_text("\n".join(lines[:20] + ['"an unclosed quote,1'] + lines[20:]) + "\n")
     out = tmp_path / "run"
-    flags = stream_flags(stream_data, no_dropout_model)[:]
+    flags = stream_flags(stream_data, no_dropout_model, "--per_device_train_batch_size", "8")[:]
     flags[flags.index("--train_file") + 1] = str(data / "shards")
     proc = run_recipe(out, *flags, config=None, check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert proc.returncode == 2 and len(errors) == 1 and "shard part2.csv row " in errors[0], proc.stderr[-2000:]
+    assert proc.returncode == 2 and len(errors) == 1 and f"shard {bad.name} row " in errors[0], proc.stderr[-2000:]
     saved = sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*"))
     assert saved and max(saved) < STREAM_STEPS
-    (data / "shards" / "part2.csv").write_text(good)
+    bad.write_text(good)
     refused = run_recipe(out, *flags, config=None, check=False)
-    assert refused.returncode == 2 and "data {part2.csv" in refused.stderr and "--force_resume" in refused.stderr
+    assert refused.returncode == 2 and f"data {{{bad.name}" in refused.stderr and "--force_resume" in refused.stderr
     run_recipe(out, *flags, "--force_resume", config=None)
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == list(range(1, STREAM_STEPS + 1))
     changes = json.loads((out / "run_config.json").read_text())["training_contract"]["changes"]
-    assert [c["name"] for c in changes] == ["data"] and "part2.csv" in changes[0]["after"]
+    assert [c["name"] for c in changes] == ["data"] and bad.name in changes[0]["after"]
 
 
 def test_streaming_refusals_are_one_line(stream_data):

@@ -35,7 +35,7 @@ from recipes import export, predict
 from recipes.serving import classifier, runtime
 from scripts.measure import bench_load
 from scripts.measure.bench import hardware
-from scripts.bench_report import slug, unused_stem
+from scripts.measure.bench_report import slug, unused_stem
 from scripts.demo_pretrained import DEMO_LR
 
 REPO = Path(__file__).resolve().parents[2]
