@@ -48,11 +48,9 @@ test: offline-model fetch-pretrained fetch-smollm2
 	$(PY) -m pytest -q -rs --durations=40 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests  # -rs: every skip prints its reason
 
 # The tests that start no process (the `launch` marker, tests/conftest.py) and one launch per strategy family: DDP,
-# FSDP2, a DeepSpeed stage. A quick check before `make test`, which CI runs whole.
-FAST_LAUNCHES := $(foreach c,ddp fsdp zero2,"tests/test_strategies.py::test_shipped_config_trains_to_completion[$(c).yaml]")
+# FSDP2, a DeepSpeed stage (`fast_launch`). A quick check before `make test`, which CI runs whole.
 test-fast: offline-model fetch-pretrained fetch-smollm2
-	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile -m "not launch" tests
-	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) $(FAST_LAUNCHES)
+	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile -m "not launch or fast_launch" tests
 
 # Writes results/<date>_<device>_<host>.{md,json,png} and rewrites the table between the bench markers of
 # docs/benchmark.md. BENCH_MODEL=<folder or Hub id> benches that encoder instead of the tiny RoBERTa (the page is

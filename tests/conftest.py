@@ -165,8 +165,15 @@ def starts_a_process(func, seen: set) -> bool:
                for name in names)
 
 
+# `make test-fast`'s launches: one per strategy family (DDP, FSDP2, a DeepSpeed stage)
+FAST_LAUNCHES = {f"tests/test_strategies.py::test_shipped_config_trains_to_completion[{c}.yaml]"
+                 for c in ("ddp", "fsdp", "zero2")}
+
+
 def pytest_collection_modifyitems(config, items):
-    for item in items:  # `make test-fast` leaves out what starts a process (the `launch` marker)
+    for item in items:  # `make test-fast` leaves out what starts a process (the `launch` marker) but FAST_LAUNCHES
+        if item.nodeid in FAST_LAUNCHES:
+            item.add_marker(pytest.mark.fast_launch)
         # pytest 9.2: the fixtures an item uses, its closure included, are only reachable through _fixtureinfo
         fixtures = [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
         seen: set = set()
