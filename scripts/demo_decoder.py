@@ -25,20 +25,16 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 from statistics import mean
 
 from recipes import RecipeError
 from recipes.outputs.records import read_jsonl
-from scripts.measure import bench_load
-from scripts.measure.bench import ACCELERATE, failure_reason, free_port, hardware
+from scripts.measure.bench import ACCELERATE, free_port, hardware
 from scripts.measure.bench_report import slug
-from scripts.demo_pretrained import relative, versions
+from scripts.demo_pretrained import latest_record, launch_metered, relative, versions
 from scripts.fetch_pretrained import DEFAULT_DATA_DIR
 from scripts.fetch_smollm2 import DEFAULT_DIR as DEFAULT_MODEL_DIR
 from scripts.fetch_smollm2 import check_staged
@@ -64,42 +60,21 @@ def run_once(args, split: str, lr: float, seed: int, start: list[str], run_dir: 
                str(args.data_dir / f"{split}.csv"), *RUN_FLAGS, "--max_train_steps", str(args.steps),
                *(["--eval_steps", str(every)] if every else []), "--learning_rate", str(lr), "--seed", str(seed),
                "--output_dir", str(run_dir / "run")]
-    log_path = run_dir / "launch.log"
-    print(f"seed {seed}, learning rate {lr:g}: training (log: {log_path})", flush=True)
-    load_before, meter, started = os.getloadavg(), bench_load.LaunchMeter(), time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        meter.start(proc.pid)
-        returncode = proc.wait()
-    wall, cpu = time.perf_counter() - started, meter.stop()
-    if returncode != 0:
-        raise RecipeError(f"the run in {run_dir} failed (exit {returncode}): "
-                          f"{failure_reason(log_path.read_text(errors='replace'))}")
+    measured = launch_metered(command, run_dir, f"seed {seed}, learning rate {lr:g}")
     evals = read_jsonl(run_dir / "run" / "eval.jsonl")
     steps = read_jsonl(run_dir / "run" / "metrics.jsonl")
     result = {"seed": seed, "learning_rate": lr, "accuracy": evals[-1]["accuracy"], "f1_macro": evals[-1]["f1_macro"],
               "n_examples": evals[-1]["n_examples"], "steps": evals[-1]["step"],
               "curve": [{"step": e["step"], "accuracy": e["accuracy"], "loss": round(e["loss"], 4)} for e in evals],
-              "train_s": round(steps[-1]["elapsed"], 1), "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
-              "others_share": round(bench_load.others_share(meter.samples) or 0.0, 3),
-              "loadavg_before": [round(v, 2) for v in load_before],
-              "loadavg_after": [round(v, 2) for v in os.getloadavg()], "run_dir": relative(run_dir / "run"),
-              "command": [relative(arg) for arg in command]}
+              "train_s": round(steps[-1]["elapsed"], 1), **measured}
     print(f"seed {seed}, learning rate {lr:g}: {split} accuracy {result['accuracy']:.4f} on {result['n_examples']} "
-          f"snippets, {wall / 60:.1f} min ({cpu:.0f} CPU s)", flush=True)
+          f"snippets, {result['wall_s'] / 60:.1f} min ({result['cpu_s']:.0f} CPU s)", flush=True)
     return result
 
 
 def latest(results_dir: Path, kind: str) -> tuple[Path, dict] | None:
     """The newest record of `kind` (<date>_<kind>_<device>_<host>.json) in results_dir."""
-    found = [(p, json.loads(p.read_text())) for p in sorted(results_dir.glob("*.json")) if record_kind(p.stem) == kind]
-    found = [(p, r) for p, r in found if r.get("kind") == kind]  # not decoder_memory_*, which names another kind
-    return found[-1] if found else None
-
-
-def record_kind(stem: str) -> str | None:
-    rest = stem.split("_", 1)[1] if "_" in stem else ""
-    return next((k for k in sorted(KINDS, key=len, reverse=True) if rest.startswith(k + "_")), None)
+    return latest_record(results_dir, kind, KINDS)
 
 
 KINDS = ("decoder", "decoder_lr", "decoder_random_init")

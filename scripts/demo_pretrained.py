@@ -60,6 +60,27 @@ RUN_FLAGS = ["--text_column", "text", "--label_column", "label", "--max_length",
 KINDS = ("pretrained", "random_init", "lora", "pretrained_lr", "random_init_lr", "lora_lr")
 
 
+def launch_metered(command: list[str], run_dir: Path, label: str) -> dict:
+    """One launch, logged to run_dir/launch.log: its wall and CPU seconds, the machine's load around it and the share
+    of the CPU other work took, its folder and command; a failed launch is a RecipeError with its reason."""
+    log_path = run_dir / "launch.log"
+    print(f"{label}: training (log: {log_path})", flush=True)
+    load_before, meter, start = os.getloadavg(), bench_load.LaunchMeter(), time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        meter.start(proc.pid)
+        returncode = proc.wait()
+    wall, cpu = time.perf_counter() - start, meter.stop()
+    if returncode != 0:
+        raise RecipeError(f"the run in {run_dir} failed (exit {returncode}): "
+                          f"{failure_reason(log_path.read_text(errors='replace'))}")
+    return {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
+            "others_share": round(bench_load.others_share(meter.samples) or 0.0, 3),
+            "loadavg_before": [round(v, 2) for v in load_before],
+            "loadavg_after": [round(v, 2) for v in os.getloadavg()], "run_dir": relative(run_dir / "run"),
+            "command": [relative(arg) for arg in command]}
+
+
 def run_once(model_dir: Path, data_dir: Path, split: str, lr: float, seed: int, start: list[str], procs: int,
              run_dir: Path) -> dict:
     """One launch of the recipe; its scores, steps, time and the machine's load around it."""
@@ -70,24 +91,10 @@ def run_once(model_dir: Path, data_dir: Path, split: str, lr: float, seed: int, 
                *start, "--train_file", str(data_dir / "train.csv"),
                "--validation_file", str(data_dir / f"{split}.csv"), *RUN_FLAGS, "--learning_rate", str(lr),
                "--seed", str(seed), "--output_dir", str(run_dir / "run")]
-    log_path = run_dir / "launch.log"
-    print(f"seed {seed}, learning rate {lr:g}: training (log: {log_path})", flush=True)
-    load_before, meter, start = os.getloadavg(), bench_load.LaunchMeter(), time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        meter.start(proc.pid)
-        returncode = proc.wait()
-    wall, cpu = time.perf_counter() - start, meter.stop()
-    if returncode != 0:
-        raise RecipeError(f"the run in {run_dir} failed (exit {returncode}): "
-                          f"{failure_reason(log_path.read_text(errors='replace'))}")
+    measured = launch_metered(command, run_dir, f"seed {seed}, learning rate {lr:g}")
     scores = read_jsonl(run_dir / "run" / "eval.jsonl")[-1]
     result = {"seed": seed, "learning_rate": lr, "accuracy": scores["accuracy"], "f1_macro": scores["f1_macro"],
-              "n_examples": scores["n_examples"], "steps": scores["step"], "wall_s": round(wall, 1),
-              "cpu_s": round(cpu, 1), "others_share": round(bench_load.others_share(meter.samples) or 0.0, 3),
-              "loadavg_before": [round(v, 2) for v in load_before],
-              "loadavg_after": [round(v, 2) for v in os.getloadavg()], "run_dir": relative(run_dir / "run"),
-              "command": [relative(arg) for arg in command]}
+              "n_examples": scores["n_examples"], "steps": scores["step"], **measured}
     print(f"seed {seed}, learning rate {lr:g}: {split} accuracy {result['accuracy']:.4f} on {result['n_examples']} "
           f"snippets, {result['wall_s'] / 60:.1f} min", flush=True)
     return result
@@ -106,16 +113,19 @@ def relative(arg) -> str:
     return os.path.relpath(text, REPO) if text.startswith(str(REPO) + os.sep) else text
 
 
-def latest_record(results_dir: Path, kind: str) -> tuple[Path, dict] | None:
-    """The newest record of `kind` in results_dir, by date in its name."""
-    paths = sorted(p for p in results_dir.glob("*.json") if record_kind(p.stem) == kind)
-    return (paths[-1], json.loads(paths[-1].read_text())) if paths else None
+def latest_record(results_dir: Path, kind: str, kinds=KINDS) -> tuple[Path, dict] | None:
+    """The newest record of `kind` (one of `kinds`) in results_dir, by date in its name: a file named
+    <date>_<kind>_<device>_<host>.json whose record says it is of that kind (decoder_memory_* is no `decoder` record)."""
+    found = [(p, json.loads(p.read_text())) for p in sorted(results_dir.glob("*.json"))
+             if record_kind(p.stem, kinds) == kind]
+    found = [(p, record) for p, record in found if record.get("kind") == kind]
+    return found[-1] if found else None
 
 
-def record_kind(stem: str) -> str | None:
+def record_kind(stem: str, kinds=KINDS) -> str | None:
     """The kind of a results file's stem <date>_<kind>_<device>_<host>; None for other results files."""
     rest = stem.split("_", 1)[1] if "_" in stem else ""
-    return next((k for k in sorted(KINDS, key=len, reverse=True) if rest.startswith(k + "_")), None)
+    return next((k for k in sorted(kinds, key=len, reverse=True) if rest.startswith(k + "_")), None)
 
 
 def summarise(runs: list, kind: str, results_dir: Path) -> dict:
