@@ -16,6 +16,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -130,40 +131,19 @@ def test_elastic_restart_continues_from_the_newest_checkpoint(reference, tmp_pat
         assert rank["epochs"][0] == {"epoch": 0, "batch_sampler": "SkipBatchSampler", "skipped_batches": 2}
 
 
-def test_preempted_worker_stops_every_rank_at_a_checkpoint_then_resumes(reference, tmp_path):
-    """SIGTERM reaches rank 1 only, after step 5: the ranks agree at the next flush (step 6, --logging_steps 2),
-    save step_6, mark it and exit with the preemption status; the same command then finishes the reference's run,
-    the evaluation due at step 6 included."""
-    out = tmp_path / "preempted"
-    proc = run_recipe(out, *REF_FLAGS, check=False, env={"CLS_FAULT": "sigterm:5:1"})
-    assert proc.returncode != 0
-    assert "preempted (a stop signal on 1 of 2 ranks): checkpoint step_6 written" in proc.stdout
-    assert "exitcode  : 3" in proc.stderr
-    assert (out / "checkpoints" / checkpoint.PREEMPTED_MARKER).read_text().strip() == "step_6"
-    state = json.loads((out / "checkpoints" / "step_6" / "trainer_state.json").read_text())
-    assert state["step"] == 6 and state["eval_pending"] is True
-    assert [e["step"] for e in eval_records(out)] == [3]  # the evaluation of step 6 is left to the resumed run
-    run_recipe(out, *REF_FLAGS)
-    assert not (out / "checkpoints" / checkpoint.PREEMPTED_MARKER).exists()
-    assert_same_run(reference, out)
+def stopped(out: Path, proc: subprocess.CompletedProcess, **facts) -> SimpleNamespace:
+    """What a preempted launch left, read when it ended (the next launch in the folder changes it): its output, the
+    marker, the marked checkpoint's trainer_state.json and the steps of the records."""
+    marker = out / "checkpoints" / checkpoint.PREEMPTED_MARKER
+    marked = marker.read_text().strip() if marker.exists() else None
+    state = json.loads((out / "checkpoints" / marked / "trainer_state.json").read_text()) if marked else None
+    return SimpleNamespace(proc=proc, marker=marked, state=state, eval_steps=[e["step"] for e in eval_records(out)],
+                           metric_steps=[r["step"] for r in read_jsonl(out / "metrics.jsonl")], **facts)
 
 
-def test_signal_before_training_stops_at_the_first_flush(reference, tmp_path):
-    """SIGUSR1 reaches rank 1 at start-up, before its data are prepared: the handler is already installed, so the
-    rank does not die; every rank stops at the first flush (step 2), checkpoints it and exits with status 3."""
-    out = tmp_path / "early_signal"
-    proc = run_recipe(out, *REF_FLAGS, check=False, env={"CLS_FAULT": "sigusr1:0:1"})
-    assert "preempted (a stop signal on 1 of 2 ranks): checkpoint step_2 written" in proc.stdout, proc.stderr[-3000:]
-    assert "exitcode  : 3" in proc.stderr
-    assert (out / "checkpoints" / checkpoint.PREEMPTED_MARKER).read_text().strip() == "step_2"
-    assert checkpoint_steps(out) == [2] and [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2]
-    # Its resume is the other preemption tests' (and test_elastic_restart's from step_2): not launched again here.
-
-
-def test_sigterm_to_the_launcher_checkpoints_within_the_kill_window(reference, tmp_path):
-    """SIGTERM to `accelerate launch` while rank 0 waits after step 7: the agent forwards it to both workers, which
-    stop at the flush of step 8, checkpoint it and exit before the agent's SIGKILL; the same command resumes."""
-    out = tmp_path / "signalled"
+def signal_the_launcher(out: Path) -> tuple[subprocess.CompletedProcess, float]:
+    """The same command under `accelerate launch`, SIGTERMed while rank 0 waits after step 7; the seconds the
+    launcher took to exit after it."""
     cmd = [ACCELERATE, "launch", "--config_file", "accelerate_configs/ddp.yaml", "--main_process_port",
            str(free_port()), "recipes/cls.py", *TINY_FLAGS, "--output_dir", str(out), *REF_FLAGS]
     with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -180,13 +160,61 @@ def test_sigterm_to_the_launcher_checkpoints_within_the_kill_window(reference, t
         except BaseException:
             kill_group(proc)
             raise
-    print(f"launcher exited {proc.returncode} {took:.1f} s after SIGTERM")
-    assert took < 30, "the workers must be done before the agent's SIGKILL (30 s after it forwards SIGTERM)"
-    assert (out / "checkpoints" / checkpoint.PREEMPTED_MARKER).read_text().strip() == "step_8", stdout + stderr
-    assert "preempted (a stop signal on 2 of 2 ranks): checkpoint step_8 written" in stdout  # forwarded to both
-    assert json.loads((out / "checkpoints" / "step_8" / "trainer_state.json").read_text())["step"] == 8
-    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == list(range(1, 9))
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), took
+
+
+@pytest.fixture(scope="module")
+def preempted_twice(tiny_model, tmp_path_factory):
+    """One folder, three launches of the same command: SIGTERM to rank 1 after step 5 (the run stops at step 6);
+    the resume, SIGTERMed through the launcher after step 7 (it stops at step 8); the resume of that, to the end.
+    The two preemption tests read it: the second launch is the first one's resume and the second one's fault."""
+    out = tmp_path_factory.mktemp("preempted") / "run"
+    worker = stopped(out, run_recipe(out, *REF_FLAGS, check=False, env={"CLS_FAULT": "sigterm:5:1"}))
+    proc, took = signal_the_launcher(out)
+    launcher = stopped(out, proc, took=took)
     run_recipe(out, *REF_FLAGS)
+    return SimpleNamespace(out=out, worker=worker, launcher=launcher)
+
+
+def test_preempted_worker_stops_every_rank_at_a_checkpoint_then_resumes(reference, preempted_twice):
+    """SIGTERM reaches rank 1 only, after step 5: the ranks agree at the next flush (step 6, --logging_steps 2),
+    save step_6, mark it and exit with the preemption status; the same command then finishes the reference's run,
+    the evaluation due at step 6 included (its first resume, stopped at step 8, is the launcher test's)."""
+    first, out = preempted_twice.worker, preempted_twice.out
+    assert first.proc.returncode != 0
+    assert "preempted (a stop signal on 1 of 2 ranks): checkpoint step_6 written" in first.proc.stdout
+    assert "exitcode  : 3" in first.proc.stderr
+    assert first.marker == "step_6"
+    assert first.state["step"] == 6 and first.state["eval_pending"] is True
+    assert first.eval_steps == [3]  # the evaluation of step 6 is left to the resumed run
+    assert not (out / "checkpoints" / checkpoint.PREEMPTED_MARKER).exists()
+    assert_same_run(reference, out)
+
+
+def test_signal_before_training_stops_at_the_first_flush(reference, tmp_path):
+    """SIGUSR1 reaches rank 1 at start-up, before its data are prepared: the handler is already installed, so the
+    rank does not die; every rank stops at the first flush (step 2), checkpoints it and exits with status 3."""
+    out = tmp_path / "early_signal"
+    proc = run_recipe(out, *REF_FLAGS, check=False, env={"CLS_FAULT": "sigusr1:0:1"})
+    assert "preempted (a stop signal on 1 of 2 ranks): checkpoint step_2 written" in proc.stdout, proc.stderr[-3000:]
+    assert "exitcode  : 3" in proc.stderr
+    assert (out / "checkpoints" / checkpoint.PREEMPTED_MARKER).read_text().strip() == "step_2"
+    assert checkpoint_steps(out) == [2] and [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+    # Its resume is the other preemption tests' (and test_elastic_restart's from step_2): not launched again here.
+
+
+def test_sigterm_to_the_launcher_checkpoints_within_the_kill_window(reference, preempted_twice):
+    """SIGTERM to `accelerate launch` while rank 0 waits after step 7 (a run resumed from the preempted step_6): the
+    agent forwards it to both workers, which stop at the flush of step 8, checkpoint it and exit before the agent's
+    SIGKILL; the same command resumes."""
+    second, out = preempted_twice.launcher, preempted_twice.out
+    stdout, stderr = second.proc.stdout, second.proc.stderr
+    print(f"launcher exited {second.proc.returncode} {second.took:.1f} s after SIGTERM")
+    assert second.took < 30, "the workers must be done before the agent's SIGKILL (30 s after it forwards SIGTERM)"
+    assert second.marker == "step_8", stdout + stderr
+    assert "preempted (a stop signal on 2 of 2 ranks): checkpoint step_8 written" in stdout  # forwarded to both
+    assert second.state["step"] == 8
+    assert second.metric_steps == list(range(1, 9))
     assert_same_run(reference, out)
 
 
