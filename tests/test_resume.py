@@ -21,7 +21,9 @@ pytestmark = pytest.mark.multiproc
 # With accumulation 3 that is 5 optimizer steps per epoch, the 5th over a single micro-batch (a partial window).
 BASE = ["--max_train_samples", "200", "--max_eval_samples", "16", "--per_device_train_batch_size", "8",
         "--num_train_epochs", "2", "--record_ranks"]
-EVERY_STEP = ["--checkpointing_steps", "1"]  # the reference run leaves a checkpoint at every resume point
+# A reference run saves only the steps resumed from (a save changes no number): DDP with accumulation 3 resumes from
+# steps 5 and 6, the other accumulation 3 cases from step 6; the last step is always saved too.
+CHECKPOINTS = {"ddp.yaml": ["--checkpointing_steps", "1"], "other": ["--checkpointing_steps", "6"]}
 MICRO_PER_EPOCH = 13
 # (resume step for accumulation 1, for accumulation 3): at the epoch boundary; mid-epoch 1 and again later in that
 # epoch from the resumed run's own checkpoint. A resume in epoch 0 is the killed-rank test's (step 4, accumulation 1)
@@ -70,10 +72,11 @@ CASES = [("ddp.yaml", 1), ("ddp.yaml", 3), ("zero2.yaml", 3), ("fsdp.yaml", 3), 
 
 @pytest.fixture(scope="module")
 def ddp_reference(tiny_model, tmp_path_factory):
-    """The uninterrupted DDP run, accumulation 1, a checkpoint at every step: the resume reference, the killed-rank
-    reference and the source of the refusal test's checkpoint (each test copies what it changes)."""
+    """The uninterrupted DDP run, accumulation 1, a checkpoint at each epoch's end (steps 13 and 26): the resume
+    reference, the killed-rank reference and the source of the refusal test's checkpoint (each test copies what it
+    changes)."""
     ref = tmp_path_factory.mktemp("ddp_ga1_ref")
-    run_recipe(ref, *BASE, "--gradient_accumulation_steps", "1", *EVERY_STEP)
+    run_recipe(ref, *BASE, "--gradient_accumulation_steps", "1", "--checkpointing_steps", "epoch")
     return ref
 
 
@@ -86,7 +89,7 @@ def test_resume_equals_uninterrupted_run(request, tmp_path, config, accum):
     else:
         request.getfixturevalue("tiny_model")
         ref = tmp_path / "ref"
-        run_recipe(ref, *flags, *EVERY_STEP, config=config, launch_args=launch)
+        run_recipe(ref, *flags, *CHECKPOINTS.get(config, CHECKPOINTS["other"]), config=config, launch_args=launch)
     assert len(losses(ref)) == 2 * {1: 13, 3: 5}[accum]
     scenarios = ONCE_IN_EPOCH_1 if config != "ddp.yaml" else SCENARIOS if accum == 3 else AT_EPOCH_BOUNDARY
     for name, steps in scenarios.items():
@@ -96,8 +99,9 @@ def test_resume_equals_uninterrupted_run(request, tmp_path, config, accum):
         shutil.copy(ref / "metrics.jsonl", out)  # the interrupted run's records, to be truncated at the checkpoint
         shutil.copy(ref / "eval.jsonl", out)
         twice = name == "twice_in_epoch_1"
-        run_recipe(out, *flags, *(EVERY_STEP if twice else []), "--resume_from_checkpoint",
-                   str(ref / "checkpoints" / f"step_{from_step}"), config=config, launch_args=launch)
+        saves = ["--checkpointing_steps", str(SECOND_STOP)] if twice else []  # the second stop's checkpoint
+        run_recipe(out, *flags, *saves, "--resume_from_checkpoint", str(ref / "checkpoints" / f"step_{from_step}"),
+                   config=config, launch_args=launch)
         assert_continues(ref, out, from_step, config)
         if twice:  # stop again, later in the same epoch, from the resumed run's checkpoint
             second = SECOND_STOP
@@ -109,15 +113,15 @@ def test_resume_equals_uninterrupted_run(request, tmp_path, config, accum):
 
 
 def test_resume_refuses_other_global_batch(ddp_reference, tmp_path):
-    shutil.copytree(ddp_reference / "checkpoints" / "step_2", tmp_path / "checkpoints" / "step_2")
-    (tmp_path / "checkpoints" / "latest").write_text("step_2\n")
-    ckpt = str(tmp_path / "checkpoints" / "step_2")
+    shutil.copytree(ddp_reference / "checkpoints" / "step_13", tmp_path / "checkpoints" / "step_13")
+    (tmp_path / "checkpoints" / "latest").write_text("step_13\n")
+    ckpt = str(tmp_path / "checkpoints" / "step_13")
     proc = run_recipe(tmp_path, *BASE, "--resume_from_checkpoint", ckpt, "--gradient_accumulation_steps", "3",
                       config=None, check=False)
     assert proc.returncode == 2
     assert "global batch 16 (8 per device x 1 accumulation x 2 processes) -> 24" in proc.stderr
     assert "--force_resume" in proc.stderr
-    (tmp_path / "checkpoints" / "step_2" / "random_states_1.pkl").unlink()
+    (tmp_path / "checkpoints" / "step_13" / "random_states_1.pkl").unlink()
     proc = run_recipe(tmp_path, *BASE, "--resume_from_checkpoint", "latest", config="ddp.yaml", check=False)
     assert proc.returncode != 0 and "no RNG state for rank 1" in proc.stderr
 
