@@ -34,9 +34,14 @@ from helpers import PRETRAINED_DATA, fp32_launch_args, losses, no_gpu, rank_reco
 from recipes import RecipeError, cls
 from recipes.model import adapters, source
 
-# 8 steps of 16 snippets (2 x 8 on two processes), a checkpoint every 4; rank 4 on every linear of the 2 layers
+# 8 steps of 16 snippets (2 x 8 on two processes); rank 4 on every linear of the 2 layers
 LORA = ["--use_peft", "--lora_r", "4", "--lora_dropout", "0"]
-RUN = [*PRETRAINED_DATA, *LORA, "--max_train_steps", "8", "--checkpointing_steps", "4", "--learning_rate", "1e-3"]
+RUN = [*PRETRAINED_DATA, *LORA, "--max_train_steps", "8", "--learning_rate", "1e-3"]
+# Checkpoints at steps 4 and 8 only in the runs whose checkpoints are read: the one-process reference's (steps 4 and
+# 8) and DDP's, FSDP2's and ZeRO-3's (step 4, resumed); the resumed runs save none (--checkpointing_steps is exempt
+# from the resume contract)
+CHECKPOINTED = ["--checkpointing_steps", "4"]
+RESUMED = {"ddp.yaml", "fsdp.yaml", "zero3.yaml"}
 # The shipped bf16 configs: 4 steps, no checkpoint, so that nothing runs between the save of best/ and of final/ (a
 # checkpoint's collectives hid FSDP2's stale unsharded root there: recipes/model/adapters.py, trained_state)
 BF16_RUN = [*PRETRAINED_DATA, *LORA, "--max_train_steps", "4", "--learning_rate", "1e-3"]
@@ -63,8 +68,8 @@ def model_flag(cut_pretrained):
 @pytest.fixture(scope="module")
 def reference(cut_pretrained, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_one_process")
-    run_recipe(out, *model_flag(cut_pretrained), *RUN, "--per_device_train_batch_size", "16", "--data_parallel",
-               config=None)
+    run_recipe(out, *model_flag(cut_pretrained), *RUN, *CHECKPOINTED, "--per_device_train_batch_size", "16",
+               "--data_parallel", config=None)
     return out
 
 
@@ -79,7 +84,8 @@ def runs(cut_pretrained, tmp_path_factory):
             out = tmp_path_factory.mktemp(config.replace(".yaml", ""))
             shipped, bf16 = config.replace("_bf16", ""), config.endswith("_bf16.yaml")
             run_recipe(out / "run", *model_flag(cut_pretrained), *(BF16_RUN if bf16 else RUN),
-                       "--per_device_train_batch_size", "8", config=shipped,
+                       *(CHECKPOINTED if config in RESUMED else []), "--per_device_train_batch_size", "8",
+                       config=shipped,
                        launch_args=[] if bf16 else fp32_launch_args(shipped, out))
             made[config] = out / "run"
         return made[config]
