@@ -159,8 +159,9 @@ def test_one_clipped_step_matches_the_hand_computation(encoders, tmp_path, confi
     assert grad == pytest.approx(CLIP, rel=1e-4)  # torch and DeepSpeed scale by max_norm / (norm + 1e-6)
     assert update == pytest.approx(LR * CLIP / EPS, rel=1e-2)
     if config == "ddp.yaml":  # the same step unclipped: each weight with a gradient moves by about lr
-        unclipped = tmp_path / "unclipped"
-        run_recipe(unclipped, "--model_name_or_path", str(folder), *ONE_STEP, "--max_grad_norm", "1e9")
+        unclipped = tmp_path / "unclipped"  # one process takes both ranks' 2 x 8 samples: the same step
+        run_recipe(unclipped, "--model_name_or_path", str(folder), *ONE_STEP, "--max_grad_norm", "1e9",
+                   "--per_device_train_batch_size", "16", config=None)
         _, free_update = recovered_gradient_norm(start, load_file(unclipped / "final" / "model.safetensors"))
         assert free_update > 1000 * update
 
