@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import REPO, eval_loader, fp32_launch_args, losses, read_jsonl, run_recipe
+from helpers import eval_loader, fp32_launch_args, losses, read_jsonl, run_recipe
 from recipes import RecipeError, cls
 from recipes.inputs import data, problem
 from recipes.metrics import compute_metrics, load_metrics

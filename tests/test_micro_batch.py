@@ -23,7 +23,7 @@ import torch
 from helpers import fp32_launch_args, losses, no_gpu, read_jsonl, run_recipe
 from recipes import RecipeError
 from recipes.checkpoints.checkpoint import ResumePoint
-from recipes.config import Config, parse_config
+from recipes.config import parse_config
 from recipes.testing.probe import Probe
 from recipes.training import micro_batch
 
