@@ -10,7 +10,6 @@
 """
 from __future__ import annotations
 
-import ast
 import json
 import math
 import subprocess
@@ -227,53 +226,25 @@ def test_conflicting_deepspeed_json_is_refused_at_start_up(tiny_model, tmp_path)
     assert not out.exists()
 
 
-# The unwrap checks (workarounds/accelerate.py), before and after the first import of deepspeed in a fresh interpreter
-UNWRAP_BEFORE = [
-    "import sys, torch",
-    "from accelerate.utils import extract_model_from_parallel",
-    "from recipes.workarounds import accelerate as fixes",
-    "fixes.unwrap_without_importing_deepspeed(); fixes.unwrap_without_importing_deepspeed()  # once",
-    "inner = torch.nn.Linear(2, 2)",
-    "found = [extract_model_from_parallel(torch.nn.DataParallel(inner)) is inner, 'deepspeed' in sys.modules]"]
-UNWRAP_AFTER = [
-    "import deepspeed",
-    "class Engine(deepspeed.DeepSpeedEngine):",
-    "    def __init__(self, module):",
-    "        torch.nn.Module.__init__(self)",
-    "        self.module = module",
-    "found.append(extract_model_from_parallel(Engine(inner)) is inner)"]
-
-
-def deepspeed_import(report_to: str) -> list[str]:
-    """Lines that import deepspeed as a run logging to `report_to` does (workarounds/deepspeed.py) and leave
-    `imported` = [deepspeed imported, mlflow imported, the autotuner's has_mlflow, mlflow's version once imported]."""
-    return [
-        "import sys",
-        "from recipes.config import parse_config",
-        f"cfg = parse_config(['--report_to', '{report_to}'])",
-        "from recipes.outputs import tracking",
-        "from recipes.workarounds import deepspeed as ds_fixes",
-        "ds_fixes.import_deepspeed_without_mlflow('mlflow' in tracking.tracker_names(cfg.report_to))",
-        "from deepspeed.autotuning import autotuner",
-        "imported = ['deepspeed' in sys.modules, 'mlflow' in sys.modules, autotuner.has_mlflow]",
-        "import mlflow",
-        "imported.append(mlflow.__version__)"]
-
-
-@pytest.fixture(scope="module")
-def unwrap_around_a_quiet_import():
-    """One fresh interpreter (this one imported deepspeed and mlflow long ago) for two tests: the unwrap checks, whose
-    first import of deepspeed is that of a run logging nowhere (report_to none). {"unwrap": found, "none": imported}"""
-    code = "\n".join([*UNWRAP_BEFORE, *deepspeed_import("none"), *UNWRAP_AFTER,
-                      "print({'unwrap': found, 'none': imported})"])
-    return ast.literal_eval(printed_last(code))
-
-
-def test_unwrapping_imports_no_deepspeed_until_a_run_has(unwrap_around_a_quiet_import):
+def test_unwrapping_imports_no_deepspeed_until_a_run_has(tmp_path):
     """workarounds/accelerate.py unwrap_without_importing_deepspeed: Accelerate 1.15.0's extract_model_from_parallel imported deepspeed
     (and with it mlflow) in every run to test for an engine; now a plain wrapper unwraps without the import, and once
     deepspeed is imported a DeepSpeedEngine unwraps as before. In a fresh interpreter: this one imported it long ago."""
-    assert unwrap_around_a_quiet_import["unwrap"] == [True, False, True]
+    code = "\n".join([
+        "import sys, torch",
+        "from accelerate.utils import extract_model_from_parallel",
+        "from recipes.workarounds import accelerate as fixes",
+        "fixes.unwrap_without_importing_deepspeed(); fixes.unwrap_without_importing_deepspeed()  # once",
+        "inner = torch.nn.Linear(2, 2)",
+        "found = [extract_model_from_parallel(torch.nn.DataParallel(inner)) is inner, 'deepspeed' in sys.modules]",
+        "import deepspeed",
+        "class Engine(deepspeed.DeepSpeedEngine):",
+        "    def __init__(self, module):",
+        "        torch.nn.Module.__init__(self)",
+        "        self.module = module",
+        "found.append(extract_model_from_parallel(Engine(inner)) is inner)",
+        "print(found)"])
+    assert printed_last(code) == "[True, False, True]"
 
 
 def printed_last(code: str) -> str:
@@ -284,15 +255,22 @@ def printed_last(code: str) -> str:
 
 
 @pytest.mark.parametrize("report_to,imported", [("none", False), ("tensorboard", False), ("mlflow", True)])
-def test_deepspeed_is_imported_without_mlflow_unless_the_run_logs_to_it(request, report_to, imported):
+def test_deepspeed_is_imported_without_mlflow_unless_the_run_logs_to_it(report_to, imported):
     """workarounds/deepspeed.py import_deepspeed_without_mlflow: deepspeed 0.19.8's autotuner imported mlflow (about 0.9 s) in every
     DeepSpeed rank where the trackers extra is installed; now it does only in a run that logs to MLflow, and
-    `import mlflow` still works afterwards. In a fresh interpreter (this one imported both long ago); the one of
-    report_to none is the unwrap test's."""
+    `import mlflow` still works afterwards. In a fresh interpreter (this one imported both long ago)."""
+    code = "\n".join([
+        "import sys",
+        "from recipes.config import parse_config",
+        f"cfg = parse_config(['--report_to', '{report_to}'])",
+        "from recipes.outputs import tracking",
+        "from recipes.workarounds import deepspeed as fixes",
+        "fixes.import_deepspeed_without_mlflow('mlflow' in tracking.tracker_names(cfg.report_to))",
+        "from deepspeed.autotuning import autotuner",
+        "found = ['deepspeed' in sys.modules, 'mlflow' in sys.modules, autotuner.has_mlflow]",
+        "import mlflow",
+        "found.append(mlflow.__version__)",
+        "print(found)"])
     from importlib.metadata import version
 
-    if report_to == "none":
-        found = request.getfixturevalue("unwrap_around_a_quiet_import")["none"]
-    else:
-        found = ast.literal_eval(printed_last("\n".join([*deepspeed_import(report_to), "print(imported)"])))
-    assert found == [True, imported, imported, version("mlflow-skinny")]
+    assert printed_last(code) == str([True, imported, imported, version("mlflow-skinny")])
