@@ -45,11 +45,11 @@ PARITY_ATOL = {"single.yaml": 5e-7, "fsdp.yaml": 5e-7, "zero2.yaml": 5e-7, "zero
 # float32, in DeepSpeed's flat partitions rather than per tensor. The tiny model's 1e-5 (1.4 M parameters) is too
 # tight here; a wrong gradient scale is a factor of 2 (the world size).
 GRAD_NORM_RTOL = 5e-5
-# The learning test: 40 steps of 32 snippets (max 32 tokens) from the whole training split at a constant rate,
-# scored on the whole eval split (1,143), on the whole 6-layer model. One process takes the 32 snippets of a step that
-# DDP's two ranks would take as 2 x 16 (the even-shard sampler's rounds: test_strategies_follow_ddp... single.yaml),
-# without a second rank's start-up and the all-reduce of 22 M gradients per step. Rates chosen on the validation split (1,301) with
-# a plain loop in the recipe's data order, 40 steps of 32: the pretrained encoder at 1e-4 of 1e-4, 2e-4 (0.765, 0.755);
+# The learning test: 40 steps of 32 snippets (max 32 tokens) from the whole training split at a constant rate, scored on
+# the whole eval split (1,143), on the whole 6-layer model. One process takes the 32 snippets of a step that DDP's two
+# ranks would take as 2 x 16 (as single.yaml does in test_strategies_follow_ddp_on_the_pretrained_model), without a
+# second rank's start-up and an all-reduce of 22 M gradients a step. Rates chosen on the validation split (1,301) with a
+# plain loop in the recipe's data order, 40 steps of 32: the pretrained encoder at 1e-4 of 1e-4, 2e-4 (0.765, 0.755);
 # random init at the demo's 1e-3, where it stays at the majority share (0.560 of validation). The 2-layer cut that the
 # parity tests use was measured first and is not used here: only 2 of 6 layers carry little of the sentence into [CLS],
 # which the classifier reads through BERT's pooler, and within 40 steps of 64 it either stayed at the majority share
