@@ -12,6 +12,7 @@ import tempfile
 
 import pytest
 
+import prewarm
 from helpers import PARITY_FLAGS, PRETRAINED, PYTHON, REPO, SNIPPETS, TINY, disk_problem, run_recipe
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -135,12 +136,20 @@ LONG_FIRST = ["test_resume.py", "test_strategies.py", "test_decoder_strategies.p
 
 
 def pytest_configure(config):
-    """Refuse to start, in one line, on a disk too full for the runs' checkpoints (helpers.TEST_DISK_GB)."""
+    """Refuse to start, in one line, on a disk too full for the runs' checkpoints (helpers.TEST_DISK_GB). Start the
+    process the launches fork from (tests/prewarm.py) in each process that runs tests: an xdist worker, or pytest
+    itself without -n."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        config.prewarm_server = prewarm.start()
     if hasattr(config, "workerinput"):  # a pytest-xdist worker: the controller checked
         return
     problem = disk_problem(config.option.basetemp or tempfile.gettempdir())
     if problem:
         raise pytest.UsageError(problem)
+
+
+def pytest_unconfigure(config):
+    prewarm.stop(getattr(config, "prewarm_server", None))
 
 
 # What starts a process: the recipe under a launcher, a script, a worker. A test is marked `launch` when its code, a

@@ -39,9 +39,9 @@ PRETRAINED_DATA = ["--train_file", str(SNIPPETS / "train.csv"), "--validation_fi
                    "--text_column", "text", "--label_column", "label", "--max_length", "64"]
 
 __all__ = ["ACCELERATE", "PARITY_FLAGS", "PRETRAINED", "PRETRAINED_DATA", "PYTHON", "REPO", "SNIPPETS", "TINY",
-           "TINY_FLAGS", "assert_follows", "assert_pretrained_in_and_out", "eval_loader", "fp32_launch_args", "free_port",
-           "kill_group", "losses", "no_gpu", "rank_records", "read_jsonl",
-           "run_in_own_group", "run_recipe"]
+           "TINY_FLAGS", "assert_follows", "assert_pretrained_in_and_out", "eval_loader", "fp32_launch_args",
+           "free_port", "kill_group", "launcher", "losses", "no_gpu", "rank_records", "read_jsonl", "run_in_own_group",
+           "run_recipe"]
 # For tests whose expectations hold only without GPUs (the CPU rehearsal of FSDP, gloo, the DataParallel fall-back).
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="expects a machine without GPUs (CPU rehearsal)")
 
@@ -78,17 +78,26 @@ def tiny_flags(flags) -> list[str]:
 
 def run_recipe(output_dir: Path, *flags: str, config: str | None = "ddp.yaml", launch_args=(), timeout=600,
                check=True, env=None) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file accelerate_configs/<config> recipes/cls.py ...` (or plain python if None)."""
+    """`accelerate launch --config_file accelerate_configs/<config> recipes/cls.py ...` (or plain python if None).
+    Its processes fork from one that imported the stack already when tests/prewarm.py's server runs."""
     if config is None:
-        cmd = [PYTHON, "recipes/cls.py"]
+        cmd = [os.environ.get("RECIPE_TEST_PREWARM_PYTHON", PYTHON), "recipes/cls.py"]
     else:
-        cmd = [ACCELERATE, "launch", "--config_file", f"accelerate_configs/{config}",
+        cmd = [*launcher(), "launch", "--config_file", f"accelerate_configs/{config}",
                "--main_process_port", str(free_port()), *launch_args, "recipes/cls.py"]
     cmd += [*tiny_flags(flags), "--output_dir", str(output_dir), *flags]
     proc = run_in_own_group(cmd, timeout, env={**os.environ, **(env or {})})
     if check and proc.returncode != 0:
         raise AssertionError(f"recipe failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def launcher(script: str = ACCELERATE) -> list[str]:
+    """The command head that runs a console script of this environment (`accelerate`, `torchrun`): through
+    tests/prewarm.py's shim while its server runs, so the launch and its ranks fork from a process with the stack
+    imported; the script itself otherwise."""
+    python = os.environ.get("RECIPE_TEST_PREWARM_PYTHON")
+    return [python, script] if python else [script]
 
 
 def run_in_own_group(cmd, timeout: float, env=None) -> subprocess.CompletedProcess:

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import (ACCELERATE, PYTHON, REPO, TINY_FLAGS, free_port, kill_group, rank_records, read_jsonl,
+from helpers import (PYTHON, REPO, TINY_FLAGS, free_port, kill_group, launcher, rank_records, read_jsonl,
                      run_in_own_group, run_recipe)
 from recipes import RecipeError
 from recipes.checkpoints import checkpoint
@@ -38,7 +38,7 @@ def test_output_dir_not_shared_stops_both_machines_at_start_up(tiny_model, tmp_p
     port, procs, start = str(free_port()), [], time.monotonic()
     for rank in (0, 1):
         out = tmp_path / f"machine{rank}" / "run"
-        cmd = [ACCELERATE, "launch", "--config_file", "accelerate_configs/multinode.yaml", "--machine_rank",
+        cmd = [*launcher(), "launch", "--config_file", "accelerate_configs/multinode.yaml", "--machine_rank",
                str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", port, "recipes/cls.py",
                *TINY_FLAGS, "--ddp_timeout", "600", "--max_train_steps", "2", "--output_dir", str(out)]
         log = open(tmp_path / f"machine{rank}.log", "w")  # files, not pipes: neither launcher can block on output
@@ -149,7 +149,7 @@ def test_processes_end_without_aborting_at_interpreter_exit():
     with a chance of about 0.5^8."""
     torchrun = str(Path(PYTHON).parent / "torchrun")
     for attempt in range(8):
-        proc = run_in_own_group([torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()),
+        proc = run_in_own_group([*launcher(torchrun), "--nproc_per_node", "2", "--master_port", str(free_port()),
                                  "tests/exit_race_worker.py"], timeout=120)
         assert proc.returncode == 0 and "terminate called" not in proc.stderr, (attempt, proc.stderr[-3000:])
 

@@ -30,7 +30,9 @@ def imported_modules(path) -> set[str]:
 
 
 def test_no_sys_path_edits():
-    offenders = [str(p.relative_to(REPO)) for p in PY_FILES if "sys.path" in p.read_text() and p.name != "test_layout.py"]
+    """None, but tests/prewarm.py's fork setting sys.path[0] to its script's folder, as `python script.py` does."""
+    offenders = [str(p.relative_to(REPO)) for p in PY_FILES
+                 if "sys.path" in p.read_text() and p.name not in ("test_layout.py", "prewarm.py")]
     assert offenders == []
 
 

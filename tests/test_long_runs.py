@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import (ACCELERATE, PYTHON, REPO, TINY_FLAGS, eval_loader, free_port, kill_group, losses, rank_records,
+from helpers import (PYTHON, REPO, TINY_FLAGS, eval_loader, free_port, kill_group, launcher, losses, rank_records,
                      read_jsonl, run_recipe)
 from recipes import RecipeError
 from recipes.checkpoints import best_model, checkpoint, preemption
@@ -144,7 +144,7 @@ def stopped(out: Path, proc: subprocess.CompletedProcess, **facts) -> SimpleName
 def signal_the_launcher(out: Path) -> tuple[subprocess.CompletedProcess, float]:
     """The same command under `accelerate launch`, SIGTERMed while rank 0 waits after step 7; the seconds the
     launcher took to exit after it."""
-    cmd = [ACCELERATE, "launch", "--config_file", "accelerate_configs/ddp.yaml", "--main_process_port",
+    cmd = [*launcher(), "launch", "--config_file", "accelerate_configs/ddp.yaml", "--main_process_port",
            str(free_port()), "recipes/cls.py", *TINY_FLAGS, "--output_dir", str(out), *REF_FLAGS]
     with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env={**os.environ, "CLS_FAULT": "wait:7:0"}, start_new_session=True) as proc:

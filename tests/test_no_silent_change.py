@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ACCELERATE, REPO, TINY_FLAGS, free_port, losses, read_jsonl, run_in_own_group, run_recipe
+from helpers import REPO, TINY_FLAGS, free_port, launcher, losses, read_jsonl, run_in_own_group, run_recipe
 from recipes import RecipeError
 from recipes.checkpoints import checkpoint, contract, elastic
 from recipes.checks import launch_checks
@@ -399,7 +399,7 @@ def test_generated_deepspeed_yaml_cannot_override_accumulation_or_clipping(tiny_
     yaml_path = tmp_path / "default_config.yaml"
     yaml_path.write_text(ACCELERATE_CONFIG_YAML)
     out = tmp_path / "run"
-    cmd = [ACCELERATE, "launch", "--config_file", str(yaml_path), "--num_processes", "2", "--main_process_port",
+    cmd = [*launcher(), "launch", "--config_file", str(yaml_path), "--num_processes", "2", "--main_process_port",
            str(free_port()), "recipes/cls.py", *TINY_FLAGS, "--output_dir", str(out), "--max_train_steps", "4",
            "--gradient_accumulation_steps", "4", "--max_grad_norm", "0.5"]
     proc = run_in_own_group(cmd, 300)

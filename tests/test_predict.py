@@ -15,7 +15,7 @@ import time
 import pytest
 
 import serving_data
-from helpers import ACCELERATE, PYTHON, REPO, free_port, kill_group, read_jsonl
+from helpers import PYTHON, REPO, free_port, kill_group, launcher, read_jsonl
 from recipes import RecipeError, predict
 from recipes.serving import output
 
@@ -46,7 +46,7 @@ def probabilities(path):
 def test_two_processes_write_every_row_once_in_input_order(run, tmp_path):
     out, files = run
     predict.main(predict.parse_config(command(out, files["many"], tmp_path / "one", *SMALL)[2:]))
-    launch = [ACCELERATE, "launch", "--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "2",
+    launch = [*launcher(), "launch", "--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "2",
               "--main_process_port", str(free_port()), *command(out, files["many"], tmp_path / "two", *SMALL)[1:]]
     proc = subprocess.run(launch, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -169,7 +169,7 @@ def test_refusals_are_one_line_each_and_leave_nothing_looking_complete(run, tmp_
 def test_a_refusal_on_two_processes_is_one_line(run, tmp_path):
     out, _ = run
     mixed = serving_data.write_jsonl(tmp_path / "mixed.jsonl", [{"text": "好"}, {"text": 5}, {"text": None}])
-    launch = [ACCELERATE, "launch", "--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "2",
+    launch = [*launcher(), "launch", "--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "2",
               "--main_process_port", str(free_port()), *command(out, mixed, tmp_path / "cmd")[1:]]
     proc = subprocess.run(launch, cwd=REPO, capture_output=True, text=True, timeout=600)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]

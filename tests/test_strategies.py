@@ -20,9 +20,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import (ACCELERATE, PARITY_FLAGS, PRETRAINED_DATA, REPO, TINY, TINY_FLAGS, assert_follows,
-                     assert_pretrained_in_and_out, eval_loader, fp32_launch_args, free_port, kill_group, losses, no_gpu,
-                     rank_records, read_jsonl, run_recipe)
+from helpers import (PARITY_FLAGS, PRETRAINED_DATA, REPO, TINY, TINY_FLAGS, assert_follows,
+                     assert_pretrained_in_and_out, eval_loader, fp32_launch_args, free_port, kill_group, launcher,
+                     losses, no_gpu, rank_records, read_jsonl, run_recipe)
 from recipes import cls
 from recipes.metrics import load_metrics
 from recipes.testing.probe import fingerprint
@@ -185,7 +185,7 @@ def test_multinode_config_runs_as_two_machines(tiny_model, tmp_path):
     procs, logs = [], [tmp_path / f"machine{rank}.log" for rank in (0, 1)]
     try:
         for rank in (0, 1):
-            cmd = [ACCELERATE, "launch", "--config_file", "accelerate_configs/multinode.yaml", "--machine_rank",
+            cmd = [*launcher(), "launch", "--config_file", "accelerate_configs/multinode.yaml", "--machine_rank",
                    str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", port, "recipes/cls.py",
                    *TINY_FLAGS, "--max_train_steps", "4", "--record_ranks", "--output_dir", str(tmp_path / "run")]
             # Output to files, not pipes: waiting on one machine while the other fills its pipe would deadlock.

@@ -173,7 +173,7 @@ def test_stream_killed_twice_resumes_to_the_uninterrupted_run(stream_data, no_dr
     and again after step 7, each time the same command again: the losses of all 8 steps equal the uninterrupted
     run's (0 difference); each resume saves the step right after it; the uninterrupted run trains each of the 100
     rows once in its first pass, and the last run's steps train the reference's rows."""
-    from helpers import ACCELERATE, REPO, free_port, kill_group, losses, read_jsonl, run_recipe, tiny_flags
+    from helpers import REPO, free_port, kill_group, launcher, losses, read_jsonl, run_recipe, tiny_flags
 
     ref_steps = step_rows(stream_reference, 3)
     first_pass = sum(ref_steps, [])[:100]
@@ -181,7 +181,7 @@ def test_stream_killed_twice_resumes_to_the_uninterrupted_run(stream_data, no_dr
     out = tmp_path / "killed"
     flags = stream_flags(stream_data, no_dropout_model, "--gradient_accumulation_steps", "3")
     for wait_step in (5, 7):
-        cmd = [ACCELERATE, "launch", "--config_file", "accelerate_configs/ddp.yaml", "--main_process_port",
+        cmd = [*launcher(), "launch", "--config_file", "accelerate_configs/ddp.yaml", "--main_process_port",
                str(free_port()), "recipes/cls.py", *tiny_flags(flags), "--output_dir", str(out), *flags]
         with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True, env={**os.environ, "CLS_FAULT": f"wait:{wait_step}:0"}) as proc:

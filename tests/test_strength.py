@@ -18,7 +18,7 @@ import subprocess
 import pytest
 import torch
 
-from helpers import ACCELERATE, PYTHON, REPO, TINY, free_port, losses, rank_records, read_jsonl, run_recipe
+from helpers import PYTHON, REPO, TINY, free_port, launcher, losses, rank_records, read_jsonl, run_recipe
 from recipes import cls
 
 N_TRAIN, EPOCHS = 64, 3
@@ -122,7 +122,7 @@ def test_eval_gathers_every_example_index_exactly_once(tiny_model, tmp_path):
     """2 ranks x batch 16: 101 leaves a remainder, 64 divides evenly, 20 is less than one round, 1 is one; in input
     order and longest first (--group_by_length)."""
     sizes = [101, 64, 20, 1]
-    cmd = [ACCELERATE, "launch", "--config_file", "accelerate_configs/ddp.yaml", "--main_process_port",
+    cmd = [*launcher(), "launch", "--config_file", "accelerate_configs/ddp.yaml", "--main_process_port",
            str(free_port()), "tests/eval_ids_worker.py", str(TINY), str(tmp_path), *map(str, sizes)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -275,7 +275,7 @@ def test_readme_recipe_commands_run_with_offline_stand_ins(readme, tmp_path):
                 print(f"{readme.name}: the same command ran and passed for {CHECKED_COMMANDS[key]}")
                 launched += 1
                 continue
-            cmd = [ACCELERATE, *head, "--main_process_port", str(free_port()), "recipes/cls.py", *stand_in]
+            cmd = [*launcher(), *head, "--main_process_port", str(free_port()), "recipes/cls.py", *stand_in]
             proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
             assert proc.returncode == 0, proc.stderr[-4000:]
             assert [s["step"] for s in read_jsonl(out / "metrics.jsonl")] == [1]

@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import (ACCELERATE, PARITY_FLAGS, PYTHON, REPO, TINY_FLAGS, fp32_launch_args, free_port, losses,
+from helpers import (PARITY_FLAGS, PYTHON, REPO, TINY_FLAGS, fp32_launch_args, free_port, launcher, losses,
                      rank_records, read_jsonl, run_recipe)
 from recipes import RecipeError
 from recipes.checks import trainer_args_checks
@@ -263,8 +263,8 @@ def _compare(ref: Path, got: Path, atol: float) -> float:
 def test_torchrun_trains_like_accelerate_launch(ddp_parity_reference, tmp_path):
     """`torchrun --nproc_per_node 2 recipes/cls.py` (no accelerate config: MULTI_CPU over gloo from the
     environment torchrun sets) runs the same code path as ddp.yaml: identical per-step losses."""
-    cmd = [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), "recipes/cls.py", *TINY_FLAGS,
-           *PARITY_FLAGS, "--output_dir", str(tmp_path)]
+    cmd = [*launcher(TORCHRUN), "--nproc_per_node", "2", "--master_port", str(free_port()), "recipes/cls.py",
+           *TINY_FLAGS, *PARITY_FLAGS, "--output_dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     resolved = json.loads((tmp_path / "run_config.json").read_text())
@@ -292,7 +292,8 @@ def test_trainer_runs_zero2_with_our_json(tiny_model, tmp_path):
     launch = fp32_launch_args("zero2.yaml", tmp_path)
     ds_path = launch[1]
     out = tmp_path / "run"
-    cmd = [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), "scripts/trainer_deepspeed.py",
+    cmd = [*launcher(TORCHRUN), "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "scripts/trainer_deepspeed.py",
            "--deepspeed", ds_path, "--ddp_backend", "gloo", "--use_cpu", "--model_name_or_path", str(tiny_model),
            "--max_train_samples", "64", "--max_eval_samples", "32", "--per_device_train_batch_size", "8",
            "--max_steps", "3", "--logging_steps", "1", "--learning_rate", "1e-3", "--report_to", "none",
@@ -322,7 +323,7 @@ def test_zero2_multinode_runs_as_two_machines(tiny_model, tmp_path):
     port = str(free_port())
     procs = []
     for rank in (0, 1):
-        cmd = [ACCELERATE, "launch", "--config_file", "accelerate_configs/zero2_multinode.yaml", "--machine_rank",
+        cmd = [*launcher(), "launch", "--config_file", "accelerate_configs/zero2_multinode.yaml", "--machine_rank",
                str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", port, "recipes/cls.py",
                *TINY_FLAGS, "--max_train_steps", "4", "--record_ranks", "--output_dir", str(tmp_path)]
         procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))

@@ -1,0 +1,416 @@
+"""Test machinery: launches whose Python processes fork from one that imported the stack once.
+
+A tiny launch costs 12-35 CPU-seconds, and most of it is imports: 7.7 s a rank (torch, transformers, scipy under
+evaluate) and 3.7 s for `accelerate launch` itself, measured on the 2-core CI machine (results/
+2026-11-29_test_suite_cpu_vm.md). `make test` makes about 230 launches. Here each pytest worker starts one server
+that imports torch, transformers, accelerate, datasets, evaluate and the recipe once; a launch then runs its launcher
+and its ranks in processes forked from that server, each running the real `accelerate launch` and `recipes/cls.py`.
+
+How a process gets forked instead of started: `run_recipe` (helpers.py) calls a small stand-in for python (the shim,
+written at start with this interpreter in its first line). The shim sends the server its command line, environment,
+working folder and its stdin/stdout/stderr; the server forks; the fork takes those as its own and runs the script as
+`__main__` the way `python script.py` would, then exits through the interpreter's own shutdown. A forked launcher
+sees the shim as `sys.executable`, so the ranks it starts (accelerate's simple launcher, torchrun's agent) come back
+through the shim as well. The shim forwards the signals it receives to its fork and exits as the fork did (the same
+code, or killed by the same signal); when the shim dies (SIGKILL at a test's time limit), the server kills its fork and
+everything below it, as `scripts/measure/processes.kill_launch` does for a real launch.
+
+What a fork cannot take over from a fresh interpreter, it does not: a command with an interpreter flag other than
+-u, -m or -c, or an environment that differs from the server's in a variable read at import time (anything outside
+LAUNCH_VARIABLES below: HF_*, GOMP_*, a test's own settings), is answered "exec" and the shim execs the real python.
+OMP_NUM_THREADS, which libgomp reads when it loads, is applied with torch.set_num_threads in the fork. A rank's
+parent, read by the recipe from /proc (launch_checks.launch_request), is the shim of its launcher: os.getppid in a fork
+returns that pid. Switch it all off with RECIPE_TEST_PREWARM=0.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+
+# Variables a launch sets or a test run changes that no imported module reads at import time: a fork may differ
+# from the server in these (accelerate 1.15.0 and torch 2.13.0's launchers set them for each rank; a DeepSpeed launch
+# also sets what `import deepspeed` sets, and PYTHONPATH, whose new entries a fork adds to sys.path as python would).
+# CUDA_VISIBLE_DEVICES is read when CUDA starts, which the server never does: it serves only where no GPU is visible.
+# torchrun's own (PET_*: its arguments as variables; TORCH_DISABLE_SHARE_RDZV_TCP_STORE, read by its rendezvous).
+# Three that imports in a pytest worker set and its launches inherit: KMP_DUPLICATE_LIB_OK and KMP_INIT_AT_FORK
+# (sklearn, joblib, threadpoolctl; read by Intel's OpenMP runtime, which torch's CPU wheel does not load) and inductor's
+# _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR (read by code inductor compiles, at run time, after it sets it itself).
+LAUNCH_VARIABLES = re.compile(
+    r"(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_RANK|ROLE_NAME|ROLE_WORLD_SIZE"
+    r"|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_\w+|TORCH_NCCL_\w+|NCCL_\w+|ACCELERATE_\w+|FSDP_\w+|OMP_NUM_THREADS"
+    r"|PYTHONUNBUFFERED|PYTHON_EXEC|PYTEST_CURRENT_TEST|PYTEST_XDIST_\w+|COLUMNS|LINES|SHLVL|PWD|OLDPWD|_"
+    r"|RECIPE_TEST_PREWARM\w*"
+    r"|CLS_FAULT|CLS_COMM|CUDA_VISIBLE_DEVICES|PYTORCH_NVML_BASED_CUDA_CHECK|_MLFLOW_TELEMETRY_SESSION_ID|PYTHONPATH"
+    r"|PET_\w+|TORCH_DISABLE_SHARE_RDZV_TCP_STORE|KMP_DUPLICATE_LIB_OK|KMP_INIT_AT_FORK"
+    r"|_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR)")
+# Modules every launch imports (the recipe's own imports, accelerate's launcher, torchrun) or most import later
+# (datasets, evaluate, the tiny models' classes), imported once by the server; their imports change no environment
+# variable and nothing the recipe tests for. DeepSpeed and PEFT are not among them: the recipe asks whether they were
+# imported ("deepspeed" in sys.modules, recipes/workarounds/accelerate.py), and `import deepspeed` sets a variable.
+PRELOAD = ["recipes.cls", "accelerate.commands.accelerate_cli", "accelerate.commands.launch", "torch.distributed.run",
+           "datasets", "evaluate", "safetensors.torch", "transformers.models.roberta.modeling_roberta",
+           "transformers.models.llama.modeling_llama"]
+LAUNCHERS = {"accelerate", "torchrun", "accelerate-launch"}
+SHIM = '''#!{python} -S
+import json, os, signal, socket, sys
+REAL = {python!r}
+def real():
+    os.execv(REAL, [REAL] + sys.argv[1:])
+path = os.environ.get("RECIPE_TEST_PREWARM", "")
+if not path.startswith("/"):
+    real()
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect(path)
+except OSError:
+    real()
+fds = []
+for fd in (0, 1, 2):
+    try:
+        os.fstat(fd)
+        fds.append(fd)
+    except OSError:
+        pass
+req = json.dumps({{"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd(), "pid": os.getpid(),
+                  "ppid": os.getppid(), "fds": fds}}).encode()
+socket.send_fds(s, [b"r"], fds)
+s.sendall(len(req).to_bytes(8, "big") + req)
+f = s.makefile("rb")
+line = f.readline().split()
+if not line or line[0] != b"pid":
+    s.close()
+    real()
+child = int(line[1])
+def forward(sig, frame):
+    try:
+        os.kill(child, sig)
+    except ProcessLookupError:
+        pass
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT):
+    signal.signal(sig, forward)
+line = f.readline().split()
+if not line:
+    os.write(2, b"prewarm shim: the server went away before its fork ended\\n")
+    os._exit(255)
+if line[0] == b"signal":
+    sig = int(line[1])
+    signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
+os._exit(int(line[1]))
+'''
+
+
+def write_shim(folder: str) -> str:
+    """The shim, executable, in `folder`: a stand-in for this interpreter that asks the server for a fork."""
+    path = os.path.join(folder, "python")
+    with open(path, "w") as f:
+        f.write(SHIM.format(python=sys.executable))
+    os.chmod(path, 0o755)
+    return path
+
+
+def start() -> subprocess.Popen | None:
+    """Start this process's server (None when RECIPE_TEST_PREWARM=0): the shim and the socket go to a new folder
+    under /tmp (a socket's path has at most 107 bytes), named in RECIPE_TEST_PREWARM (the socket) and
+    RECIPE_TEST_PREWARM_PYTHON (the shim) for helpers.run_recipe. The shim execs the real python until the server's
+    imports are done and its socket appears, so nothing waits for it."""
+    if os.environ.get("RECIPE_TEST_PREWARM") == "0":
+        return None
+    folder = tempfile.mkdtemp(prefix="prewarm-", dir="/tmp")
+    os.environ["RECIPE_TEST_PREWARM"] = os.path.join(folder, "socket")
+    os.environ["RECIPE_TEST_PREWARM_PYTHON"] = write_shim(folder)
+    # RECIPE_TEST_PREWARM_LOG: a file to append the server's log to (each request: forked, or exec'd and why)
+    with open(os.environ.get("RECIPE_TEST_PREWARM_LOG", os.path.join(folder, "log")), "a") as log:
+        return subprocess.Popen([sys.executable, __file__, os.environ["RECIPE_TEST_PREWARM"],
+                                 os.environ["RECIPE_TEST_PREWARM_PYTHON"], log.name], stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=log, start_new_session=True)
+
+
+def stop(server: subprocess.Popen | None) -> None:
+    """Stop the server (its forks still running are killed with it) and delete its folder."""
+    if server is None:
+        return
+    folder = os.path.dirname(os.environ.pop("RECIPE_TEST_PREWARM"))
+    os.environ.pop("RECIPE_TEST_PREWARM_PYTHON", None)
+    server.terminate()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def interpreter_args(argv: list[str]) -> tuple[dict, list[str]] | None:
+    """({"unbuffered", "module", "code"}, the rest) of a python command line, or None for flags a fork cannot honour."""
+    opts = {"unbuffered": False, "module": None, "code": None}
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "-":
+        flag = argv[i]
+        if flag == "-u":
+            opts["unbuffered"] = True
+        elif flag in ("-m", "-c") and i + 1 < len(argv):
+            opts["module" if flag == "-m" else "code"] = argv[i + 1]
+            return opts, argv[i + 2:]
+        else:
+            return None
+        i += 1
+    if i >= len(argv):
+        return None  # an interactive interpreter: not a launch
+    return opts, argv[i:]
+
+
+def import_time_differences(env: dict, base: dict, set_by_imports: dict | None = None) -> list[str]:
+    """Variables outside LAUNCH_VARIABLES in which `env` differs from `base`, a value the imports set (a fork
+    passes those on to the processes it starts) counting as no difference."""
+    set_by_imports = set_by_imports or {}
+    return sorted(k for k in set(env) | set(base) if env.get(k) != base.get(k) and not LAUNCH_VARIABLES.fullmatch(k)
+                  and not (k in set_by_imports and env.get(k) == set_by_imports[k]))
+
+
+class Server:
+    def __init__(self, path: str, shim: str, log: str | None, base_env: dict, set_by_imports: dict):
+        self.base_env = base_env
+        self.set_by_imports = set_by_imports
+        self.shim = shim
+        self.log = open(log, "a", buffering=1) if log else None
+        self.listener = socket.socket(socket.AF_UNIX)
+        self.listener.bind(path)
+        self.listener.listen(128)
+        self.conns = {}     # fork pid -> connection to its shim
+        self.shims = {}     # fork pid -> the shim's pid (the fork's stand-in in the process tree)
+        self.parent = os.getppid()
+        self.stopping = False
+
+    def stop(self) -> None:
+        self.stopping = True
+
+    def note(self, line: str) -> None:
+        if self.log:
+            self.log.write(line + "\n")
+
+    def serve(self) -> None:
+        while os.getppid() == self.parent and not self.stopping:
+            ready, _, _ = select.select([self.listener, *self.conns.values()], [], [], 0.2)
+            for conn in ready:
+                if conn is self.listener:
+                    self.accept()
+                else:
+                    self.shim_gone(conn)
+            self.reap()
+        for pid in list(self.conns):
+            self.kill_tree(pid)
+
+    def accept(self) -> None:
+        conn, _ = self.listener.accept()
+        conn.settimeout(30)
+        try:
+            _, fds, _, _ = socket.recv_fds(conn, 1, 3)
+            size = int.from_bytes(self.recv_exact(conn, 8), "big")
+            req = json.loads(self.recv_exact(conn, size))
+        except (OSError, ValueError) as e:
+            self.note(f"bad request: {e!r}")
+            conn.close()
+            return
+        why = self.refusal(req)
+        command = " ".join(req["argv"][:2]).splitlines()[0][:100]
+        self.note(f"{'exec' if why else 'fork'} {command}" + (f": {why}" if why else ""))
+        if why:
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(b"exec\n")
+            conn.close()
+            return
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            self.become(req, fds, conn)  # never returns: the fork exits through SystemExit
+        for fd in fds:
+            os.close(fd)
+        conn.settimeout(None)
+        conn.sendall(f"pid {pid}\n".encode())
+        self.conns[pid] = conn
+        self.shims[pid] = req["pid"]
+
+    @staticmethod
+    def recv_exact(conn, size: int) -> bytes:
+        data = b""
+        while len(data) < size:
+            chunk = conn.recv(size - len(data))
+            if not chunk:
+                raise OSError("short request")
+            data += chunk
+        return data
+
+    def refusal(self, req: dict) -> str | None:
+        if len(req["fds"]) != 3:
+            return "stdin, stdout or stderr closed"
+        if interpreter_args(req["argv"]) is None:
+            return "interpreter flags"
+        diff = import_time_differences(req["env"], self.base_env, self.set_by_imports)
+        if diff:
+            return "environment differs in " + ", ".join(diff)
+        if "OMP_NUM_THREADS" in self.base_env and "OMP_NUM_THREADS" not in req["env"]:
+            return "OMP_NUM_THREADS unset"
+        return None
+
+    def shim_gone(self, conn) -> None:
+        """A shim's connection became readable: it sends nothing after its request, so the shim died."""
+        for pid, c in list(self.conns.items()):
+            if c is conn:
+                self.note(f"shim of {pid} gone: killing its tree")
+                self.kill_tree(pid)
+                del self.conns[pid]
+                conn.close()
+
+    def kill_tree(self, pid: int) -> None:
+        import psutil
+
+        try:
+            below = psutil.Process(pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            below = []
+        try:
+            os.killpg(pid, signal.SIGKILL)  # the fork leads a session of its own
+        except (ProcessLookupError, PermissionError):
+            pass
+        for p in below:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.conns.pop(pid, None)
+            self.shims.pop(pid, None)
+            if conn is None:
+                continue
+            if os.WIFSIGNALED(status):
+                msg = f"signal {os.WTERMSIG(status)}\n"
+            else:
+                msg = f"exit {os.waitstatus_to_exitcode(status)}\n"
+            try:
+                conn.sendall(msg.encode())
+            except OSError:
+                pass
+            conn.close()
+
+    def logical_parent(self, shim_parent: int) -> int:
+        """The parent a fresh interpreter would have: the shim's parent, or, when that parent is itself a fork, the
+        fork's shim (whose command line, in /proc, is the launch's)."""
+        return self.shims.get(shim_parent, shim_parent)
+
+    def become(self, req: dict, fds: list[int], conn) -> None:
+        """In the fork: take over the shim's streams, folder, environment and command line; run it; exit."""
+        import builtins
+        import io
+        import types
+
+        ppid = self.logical_parent(req["ppid"])
+        self.listener.close()
+        for c in self.conns.values():
+            c.close()
+        conn.close()
+        if self.log:
+            self.log.close()
+        os.setsid()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        os.environ.update(self.set_by_imports)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        opts, args = interpreter_args(req["argv"])
+        unbuffered = opts["unbuffered"] or bool(req["env"].get("PYTHONUNBUFFERED"))
+        sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.open(0, "rb", closefd=False), encoding="utf-8")
+        sys.stdout = sys.__stdout__ = io.TextIOWrapper(
+            io.open(1, "wb", buffering=0 if unbuffered else -1, closefd=False), encoding="utf-8",
+            line_buffering=os.isatty(1), write_through=unbuffered)
+        sys.stderr = sys.__stderr__ = io.TextIOWrapper(
+            io.open(2, "wb", buffering=0 if unbuffered else -1, closefd=False), encoding="utf-8",
+            errors="backslashreplace", line_buffering=True, write_through=unbuffered)
+        if "OMP_NUM_THREADS" in req["env"]:
+            import torch
+
+            torch.set_num_threads(int(req["env"]["OMP_NUM_THREADS"]))
+        os.getppid = lambda: ppid
+        known = set(self.base_env.get("PYTHONPATH", "").split(os.pathsep))
+        added = [os.path.abspath(p) for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in known]
+        if opts["module"] is not None:
+            import runpy
+
+            sys.argv = ["-m", *args]
+            sys.path[0:1] = [os.getcwd(), *added]
+            runpy._run_module_as_main(opts["module"], alter_argv=True)
+            sys.exit(0)
+        main = types.ModuleType("__main__")
+        if opts["code"] is not None:
+            sys.argv = ["-c", *args]
+            sys.path[0:1] = ["", *added]
+            source, filename = opts["code"], "<string>"
+        else:
+            script = args[0]
+            sys.argv = list(args)
+            filename = os.path.abspath(script)
+            sys.path[0:1] = [os.path.dirname(filename), *added]
+            main.__file__ = filename
+            with open(script, "rb") as f:
+                source = f.read()
+            if os.path.basename(script) in LAUNCHERS:
+                sys.executable = self.shim  # the ranks it starts come back here
+        main.__builtins__ = builtins
+        main.__spec__ = None
+        sys.modules["__main__"] = main
+        exec(compile(source, filename, "exec"), main.__dict__)
+        sys.exit(0)
+
+
+def main() -> None:
+    path, shim = sys.argv[1], sys.argv[2]
+    log = sys.argv[3] if len(sys.argv) > 3 else None
+    before = dict(os.environ)
+    for name in PRELOAD:
+        __import__(name)
+    # What the imports set (torch 2.13.0's inductor sets TORCHINDUCTOR_CACHE_DIR): a fresh interpreter with the same
+    # environment sets the same, so each fork gets it on top of its shim's environment.
+    if set(before) - set(os.environ):
+        sys.exit(f"prewarm: the imports removed {sorted(set(before) - set(os.environ))}")
+    set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    import threading
+
+    import torch
+
+    if torch.cuda.is_available():
+        sys.exit("prewarm: a GPU is visible; forks of a process that may have started CUDA are not served")
+    # Python threads only: the native ones these imports start (OpenBLAS's pool under numpy and scipy, pyarrow's
+    # jemalloc thread) stop and restart around fork() by their own atfork handlers, as for DataLoader's fork workers.
+    if threading.active_count() != 1:
+        sys.exit(f"prewarm: {threading.active_count()} Python threads after imports: a fork would copy their locks")
+    server = Server(path + ".tmp", shim, log, before, set_by_imports)
+    signal.signal(signal.SIGTERM, lambda sig, frame: server.stop())
+    os.rename(path + ".tmp", path)  # the socket appears once it accepts
+    server.serve()
+
+
+if __name__ == "__main__":
+    main()

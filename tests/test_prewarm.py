@@ -1,0 +1,122 @@
+"""tests/prewarm.py, the test machinery that forks launches from a process that imported the stack once: a forked
+launch trains exactly as a fresh one, what a fork cannot honour starts fresh, and the shim passes on exit codes,
+signals and kills."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+import prewarm
+from helpers import PARITY_FLAGS, PYTHON, REPO, losses, rank_records, run_recipe
+
+
+def server_log() -> Path:
+    """The running server's log, once its socket accepts (its imports take about 10 s)."""
+    if os.environ.get("RECIPE_TEST_PREWARM", "0") == "0":
+        pytest.skip("RECIPE_TEST_PREWARM=0: no server in this run")
+    socket_path = Path(os.environ["RECIPE_TEST_PREWARM"])
+    deadline = time.monotonic() + 120
+    while not socket_path.exists():
+        assert time.monotonic() < deadline, "the prewarm server did not open its socket within 120 s"
+        time.sleep(0.5)
+    return Path(os.environ.get("RECIPE_TEST_PREWARM_LOG", socket_path.parent / "log"))
+
+
+def lines(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_a_forked_launch_trains_exactly_as_a_fresh_one(tiny_model, tmp_path):
+    """DDP, 2 processes, 8 steps with every rank's state recorded: the launcher and both ranks forked (3 forks in
+    the server's log), then the same run with the server switched off for it; per-step losses and every rank's
+    parameter sums after training and sample ids are equal."""
+    log = server_log()
+    before = len(lines(log))
+    run_recipe(tmp_path / "forked", *PARITY_FLAGS)
+    new = lines(log)[before:]
+    assert sum(line.startswith("fork ") for line in new) >= 3, new
+    run_recipe(tmp_path / "fresh", *PARITY_FLAGS, env={"RECIPE_TEST_PREWARM": "0"})
+    assert len(losses(tmp_path / "forked")) == 8
+    assert losses(tmp_path / "forked") == losses(tmp_path / "fresh")
+    for key in ("param_sums", "sample_ids"):
+        assert [r[key] for r in rank_records(tmp_path / "forked")] == [r[key] for r in rank_records(tmp_path / "fresh")]
+
+
+def test_what_a_fork_cannot_honour_starts_fresh():
+    """Interpreter flags other than -u/-m/-c, and variables read at import time, are refused; the launchers'
+    per-rank variables and what the imports set are not."""
+    assert prewarm.interpreter_args(["-u", "recipes/cls.py", "--x"]) == (
+        {"unbuffered": True, "module": None, "code": None}, ["recipes/cls.py", "--x"])
+    assert prewarm.interpreter_args(["-m", "torch.distributed.run", "-h"])[0]["module"] == "torch.distributed.run"
+    assert prewarm.interpreter_args(["-X", "importtime", "a.py"]) is None
+    assert prewarm.interpreter_args(["-u"]) is None
+    base = {"HOME": "/root", "HF_HOME": "/a"}
+    launch = {**base, "RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29500", "ACCELERATE_MIXED_PRECISION": "no",
+              "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": "/tmp/t"}
+    assert prewarm.import_time_differences(launch, base, {"TORCHINDUCTOR_CACHE_DIR": "/tmp/t"}) == []
+    assert prewarm.import_time_differences({**launch, "HF_HOME": "/b", "GOMP_CPU_AFFINITY": "0"}, base,
+                                           {"TORCHINDUCTOR_CACHE_DIR": "/tmp/t"}) == ["GOMP_CPU_AFFINITY", "HF_HOME"]
+    assert prewarm.import_time_differences({"HOME": "/root"}, base) == ["HF_HOME"]
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped by its new parent, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def shim(*args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([os.environ["RECIPE_TEST_PREWARM_PYTHON"], *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def test_the_shim_passes_on_exit_codes_signals_and_kills(tmp_path):
+    """A fork's exit code and the signal that killed it come back as the shim's; a signal sent to the shim reaches
+    the fork; a SIGKILLed shim takes its fork (and what the fork started) with it."""
+    log = server_log()
+    before = len(lines(log))
+    proc = shim("-c", "import sys, torch; print(torch.__version__); sys.exit(3)")
+    out, _ = proc.communicate(timeout=60)
+    assert (proc.returncode, out.strip()) == (3, str(__import__("torch").__version__))
+    proc = shim("-c", "import os, signal; os.kill(os.getpid(), signal.SIGUSR1)")
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGUSR1
+    # a SIGTERM to the shim reaches the fork's own handler
+    ready = tmp_path / "ready"
+    proc = shim("-c", "import signal, sys, time, pathlib\n"
+                      "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\n"
+                      f"pathlib.Path({str(ready)!r}).write_text('x')\n"
+                      "time.sleep(60)")
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 7
+    # SIGKILL of the shim: the fork and the process it started are killed by the server
+    pids = tmp_path / "pids"
+    proc = shim("-c", "import os, subprocess, sys, time, pathlib\n"
+                      f"child = subprocess.Popen([{PYTHON!r}, '-c', 'import time; time.sleep(60)'])\n"
+                      f"pathlib.Path({str(pids)!r}).write_text(f'{{os.getpid()}} {{child.pid}}')\n"
+                      "time.sleep(60)", start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not pids.exists() or len(pids.read_text().split()) != 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    fork, child = map(int, pids.read_text().split())
+    assert fork != proc.pid
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in (fork, child)):
+        assert time.monotonic() < deadline, f"fork {fork} or its child {child} outlived the killed shim"
+        time.sleep(0.1)
+    assert sum(line.startswith("fork -c ") for line in lines(log)[before:]) == 4  # none of the four started fresh
