@@ -13,7 +13,7 @@ working folder and its stdin/stdout/stderr; the server forks; the fork takes tho
 sees the shim as `sys.executable`, so the ranks it starts (accelerate's simple launcher, torchrun's agent) come back
 through the shim as well. The shim forwards the signals it receives to its fork and exits as the fork did (the same
 code, or killed by the same signal); when the shim dies (SIGKILL at a test's time limit), the server kills its fork and
-everything below it, as `scripts/measure/processes.kill_launch` does for a real launch.
+everything below it (`scripts/measure/processes.kill_tree`, what `kill_launch` does to a real launch).
 
 What a fork cannot take over from a fresh interpreter, it does not: a command with an interpreter flag other than
 -u, -m or -c, or an environment that differs from the server's in a variable read at import time (anything outside
@@ -34,6 +34,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+
+from scripts.measure import processes
 
 # Variables a launch sets or a test run changes that no imported module reads at import time: a fork may differ
 # from the server in these (accelerate 1.15.0 and torch 2.13.0's launchers set them for each rank; a DeepSpeed launch
@@ -207,7 +209,7 @@ class Server:
                     self.shim_gone(conn)
             self.reap()
         for pid in list(self.conns):
-            self.kill_tree(pid)
+            processes.kill_tree(pid)
 
     def accept(self) -> None:
         conn, _ = self.listener.accept()
@@ -268,26 +270,9 @@ class Server:
         for pid, c in list(self.conns.items()):
             if c is conn:
                 self.note(f"shim of {pid} gone: killing its tree")
-                self.kill_tree(pid)
+                processes.kill_tree(pid)
                 del self.conns[pid]
                 conn.close()
-
-    def kill_tree(self, pid: int) -> None:
-        import psutil
-
-        try:
-            below = psutil.Process(pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            below = []
-        try:
-            os.killpg(pid, signal.SIGKILL)  # the fork leads a session of its own
-        except (ProcessLookupError, PermissionError):
-            pass
-        for p in below:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
 
     def reap(self) -> None:
         while True:

@@ -19,13 +19,18 @@ import psutil
 
 def kill_launch(proc: subprocess.Popen) -> None:
     """SIGKILL `proc` (started with start_new_session=True), its group and all its descendants, then reap it."""
+    kill_tree(proc.pid)
+    proc.wait()
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL the session leader `pid`, its group and all its descendants (the caller reaps `pid`)."""
     try:
-        below = psutil.Process(proc.pid).children(recursive=True)  # listed first: orphans have no parent to list
+        below = psutil.Process(pid).children(recursive=True)  # listed first: orphans have no parent to list
     except psutil.NoSuchProcess:
         below = []
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
     for child in below:
         with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
-    proc.wait()
