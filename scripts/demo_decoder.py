@@ -72,9 +72,9 @@ def run_once(args, split: str, lr: float, seed: int, start: list[str], run_dir: 
     return result
 
 
-def latest(results_dir: Path, kind: str) -> tuple[Path, dict] | None:
-    """The newest record of `kind` (<date>_<kind>_<device>_<host>.json) in results_dir."""
-    return latest_record(results_dir, kind, KINDS)
+def latest(results_dir: Path, kind: str, files=None) -> tuple[Path, dict] | None:
+    """The newest record of `kind` (<date>_<kind>_<device>_<host>.json) in results_dir, or among `files`."""
+    return latest_record(results_dir, kind, KINDS, files)
 
 
 KINDS = ("decoder", "decoder_lr", "decoder_random_init")

@@ -113,10 +113,10 @@ def relative(arg) -> str:
     return os.path.relpath(text, REPO) if text.startswith(str(REPO) + os.sep) else text
 
 
-def latest_record(results_dir: Path, kind: str, kinds=KINDS) -> tuple[Path, dict] | None:
-    """The newest record of `kind` (one of `kinds`) in results_dir, by date in its name: a file named
+def latest_record(results_dir: Path, kind: str, kinds=KINDS, files=None) -> tuple[Path, dict] | None:
+    """The newest record of `kind` (one of `kinds`) in results_dir, or among `files`, by date in its name: a file named
     <date>_<kind>_<device>_<host>.json whose record says it is of that kind (decoder_memory_* is no `decoder` record)."""
-    found = [(p, json.loads(p.read_text())) for p in sorted(results_dir.glob("*.json"))
+    found = [(p, json.loads(p.read_text())) for p in sorted(results_dir.glob("*.json") if files is None else files)
              if record_kind(p.stem, kinds) == kind]
     found = [(p, record) for p, record in found if record.get("kind") == kind]
     return found[-1] if found else None

@@ -39,9 +39,9 @@ PRETRAINED_DATA = ["--train_file", str(SNIPPETS / "train.csv"), "--validation_fi
                    "--text_column", "text", "--label_column", "label", "--max_length", "64"]
 
 __all__ = ["ACCELERATE", "PARITY_FLAGS", "PRETRAINED", "PRETRAINED_DATA", "PYTHON", "REPO", "SNIPPETS", "TINY",
-           "TINY_FLAGS", "assert_follows", "assert_pretrained_in_and_out", "eval_loader", "fp32_launch_args",
-           "free_port", "kill_group", "launcher", "losses", "no_gpu", "rank_records", "read_jsonl", "run_in_own_group",
-           "run_recipe"]
+           "TINY_FLAGS", "assert_follows", "assert_pretrained_in_and_out", "committed_results", "eval_loader",
+           "fp32_launch_args", "free_port", "kill_group", "launcher", "losses", "no_gpu", "rank_records", "read_jsonl",
+           "run_in_own_group", "run_recipe"]
 # For tests whose expectations hold only without GPUs (the CPU rehearsal of FSDP, gloo, the DataParallel fall-back).
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="expects a machine without GPUs (CPU rehearsal)")
 
@@ -51,6 +51,18 @@ no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="expects a machine
 # bound adds a quarter. A disk that fills mid-run fails tests by the hundred, each with an OSError far from its cause
 # (CI, 2026-11-28, 28 minutes in).
 TEST_DISK_GB = 5.0
+
+
+def committed_results(pattern: str = "*.json") -> list[Path]:
+    """The files of results/ matching `pattern` that git tracks, in name order: the records the pages quote. A user's
+    own `make demo` or `make bench` writes an untracked record beside them, which the docs tests must not read as the
+    newest. Outside a git checkout (an unpacked archive), every matching file."""
+    found = sorted((REPO / "results").glob(pattern))
+    listed = subprocess.run(["git", "ls-files", "-z", "--", "results"], cwd=REPO, capture_output=True)
+    if listed.returncode:
+        return found
+    tracked = {REPO / name for name in listed.stdout.decode().split("\0") if name}
+    return [p for p in found if p in tracked]
 
 
 def disk_problem(folder: Path, need_gb: float | None = None) -> str | None:

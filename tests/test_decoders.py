@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 
-from helpers import PRETRAINED_DATA, REPO, fp32_launch_args, no_gpu, rank_records, run_recipe
+from helpers import PRETRAINED_DATA, REPO, committed_results, fp32_launch_args, no_gpu, rank_records, run_recipe
 from recipes import RecipeError, cls
 from recipes.inputs.data import Collator
 from recipes.model import adapters, decoders, fsdp_wrap, padding_free, source
@@ -466,7 +466,7 @@ def test_decoders_page_quotes_the_latest_records():
     from scripts import demo_decoder
 
     page = (REPO / "docs" / "decoders.md").read_text()
-    found = [demo_decoder.latest(REPO / "results", kind) for kind in demo_decoder.KINDS]
+    found = [demo_decoder.latest(REPO / "results", kind, committed_results()) for kind in demo_decoder.KINDS]
     if found[0] is None:
         assert "No demo record is committed yet" in page and all(f is None for f in found[1:])
     else:

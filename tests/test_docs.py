@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 
-from helpers import REPO
+from helpers import REPO, committed_results
 from recipes import config
 from scripts import demo_pretrained
 from scripts.measure import bench_kernels, bench_report
@@ -26,7 +26,7 @@ def latest_results(kind: str = "bench") -> tuple[str, dict]:
         parts = stem.split("_")
         return re.fullmatch(r"\d{4}-\d\d-\d\d", parts[0]) is not None and (
             len(parts) == 3 if kind == "bench" else len(parts) == 4 and parts[1] == kind)
-    files = [p for p in (REPO / "results").glob("*.json") if wanted(p.stem)]
+    files = [p for p in committed_results() if wanted(p.stem)]
     # by when the bench started: a second bench of a day writes <stem>-2, which sorts before <stem> by name
     path = max(files, key=lambda p: (json.loads(p.read_text()).get("started", ""), p.name))
     return path.stem, json.loads(path.read_text())
@@ -81,7 +81,7 @@ def test_quoted_benchmark_figures_equal_the_latest_results():
 def record_points() -> set:
     """The accuracy differences in points of the latest demo_pretrained records (LoRA - full fine-tuning, per seed and
     the mean), which the docs may quote beside the bench's."""
-    found = demo_pretrained.latest_record(REPO / "results", "lora")
+    found = demo_pretrained.latest_record(REPO / "results", "lora", files=committed_results())
     paired = (found[1].get("against_full") or {}) if found else {}
     if not paired:
         return set()
@@ -145,8 +145,8 @@ def test_pretrained_page_quotes_the_latest_records():
     """docs/pretrained.md and docs/correctness.md give the figures of the latest `make demo-pretrained` records as
     the records have them: each seed's eval accuracy and its mean, the validation scores that chose the learning rate
     (and that rate is the demo's), the random-init figure the demo record quotes."""
-    records = {kind: demo_pretrained.latest_record(REPO / "results", kind) for kind in ("pretrained", "pretrained_lr",
-                                                                                        "random_init")}
+    records = {kind: demo_pretrained.latest_record(REPO / "results", kind, files=committed_results())
+               for kind in ("pretrained", "pretrained_lr", "random_init")}
     page = (REPO / "docs" / "pretrained.md").read_text()
     (_, demo), (lr_path, lr), (ri_path, ri) = records["pretrained"], records["pretrained_lr"], records["random_init"]
     assert len(demo["runs"]) == 3 and f"**{demo['mean_accuracy']:.4f}**" in page
@@ -164,7 +164,8 @@ def test_lora_page_quotes_the_latest_records():
     """docs/lora.md gives the figures of the latest LoRA records of scripts/demo_pretrained.py --use_peft: the
     validation scores that chose its learning rate (the script's LORA_LR), each seed's eval accuracy, its mean, and the
     paired difference with full fine-tuning and its interval, against the full fine-tuning record of those seeds."""
-    (lora_path, lora), (lr_path, lr) = (demo_pretrained.latest_record(REPO / "results", kind)
+    (lora_path, lora), (lr_path, lr) = (demo_pretrained.latest_record(REPO / "results", kind,
+                                                                      files=committed_results())
                                         for kind in ("lora", "lora_lr"))
     page = (REPO / "docs" / "lora.md").read_text()
     assert len(lora["runs"]) == 3 and f"**{lora['mean_accuracy']:.4f}**" in page
@@ -174,7 +175,8 @@ def test_lora_page_quotes_the_latest_records():
     for rate, accuracy in lr["validation_accuracy_by_lr"].items():
         assert f"{rate}: {accuracy:.4f}" in page, rate
     paired = lora["against_full"]
-    assert paired["record"] == demo_pretrained.latest_record(REPO / "results", "pretrained")[0].stem
+    assert paired["record"] == demo_pretrained.latest_record(REPO / "results", "pretrained",
+                                                            files=committed_results())[0].stem
     low, high = (100 * v for v in paired["ci95"])
     assert f"{paired['mean_difference'] * 100:+.2f} points" in page and f"[{low:+.2f}, {high:+.2f}]" in page
     for path in (lora_path, lr_path):
@@ -209,7 +211,7 @@ def test_make_targets_the_docs_name_exist():
 
 def newest_record(kind: str) -> tuple[str, dict]:
     """The newest CPU record of `make <kind>` (scripts/measure/run_record.py: results/<date>_<kind>_cpu_<host>.json)."""
-    path = max((REPO / "results").glob(f"*_{kind}_cpu_*.json"), key=lambda p: p.name)
+    path = max(committed_results(f"*_{kind}_cpu_*.json"), key=lambda p: p.name)
     return path.stem, json.loads(path.read_text())
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import serving_data
-from helpers import PYTHON, REPO, read_jsonl
+from helpers import PYTHON, REPO, committed_results, read_jsonl
 from recipes import RecipeError, export, predict
 from recipes.inputs import problem
 from recipes.serving import classifier, onnx_export, parity
@@ -233,7 +233,7 @@ def test_export_page_quotes_the_latest_predict_results():
     the page, and links that results file."""
     from scripts.measure import bench_predict
 
-    path = max((REPO / "results").glob("*_predict_*.json"), key=lambda p: (json.loads(p.read_text())["date"], p.name))
+    path = max(committed_results("*_predict_*.json"), key=lambda p: (json.loads(p.read_text())["date"], p.name))
     result = json.loads(path.read_text())
     page = (REPO / "docs" / "export.md").read_text()
     assert f"](../results/{path.stem}.md)" in page
