@@ -40,7 +40,7 @@ from scripts.fetch_smollm2 import DEFAULT_DIR as DEFAULT_MODEL_DIR
 from scripts.fetch_smollm2 import check_staged
 
 REPO = Path(__file__).resolve().parent.parent
-DEMO_LR = 1e-3  # to be chosen by --choose_lr on the validation split (the test holds it to that record)
+DEMO_LR = 1e-3  # chosen by --choose_lr on the validation split (results/2026-11-29_decoder_lr_cpu_vm.md; a test holds it)
 RANDOM_INIT_LR = 1e-3
 LORA_R = 8
 STEPS = 400
