@@ -342,22 +342,23 @@ class Server:
         known = set(self.base_env.get("PYTHONPATH", "").split(os.pathsep))
         added = [os.path.abspath(p) for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in known]
         if opts["module"] is not None:
+            sys.argv, first = ["-m", *args], os.getcwd()
+        elif opts["code"] is not None:
+            sys.argv, first = ["-c", *args], ""
+        else:
+            sys.argv, first = list(args), os.path.dirname(os.path.abspath(args[0]))
+        sys.path[0:1] = [first, *added]  # sys.path[0] as the interpreter sets it for -m, -c or a script
+        if opts["module"] is not None:
             import runpy
 
-            sys.argv = ["-m", *args]
-            sys.path[0:1] = [os.getcwd(), *added]
             runpy._run_module_as_main(opts["module"], alter_argv=True)
             sys.exit(0)
         main = types.ModuleType("__main__")
         if opts["code"] is not None:
-            sys.argv = ["-c", *args]
-            sys.path[0:1] = ["", *added]
             source, filename = opts["code"], "<string>"
         else:
             script = args[0]
-            sys.argv = list(args)
             filename = os.path.abspath(script)
-            sys.path[0:1] = [os.path.dirname(filename), *added]
             main.__file__ = filename
             with open(script, "rb") as f:
                 source = f.read()
