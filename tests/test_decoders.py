@@ -9,11 +9,13 @@
 - LoRA targets and head, FSDP2 units, found from each model; the one-line refusals.
 - Memory: scripts/memory_model.py and the config checker on a Llama-3-8B-shaped config.json (offline, no weights),
   with and without LoRA; activations measured on 1- and 2-layer cuts equal the whole model's; ZeRO-3 runs of the
-  staged SmolLM2 (full, LoRA) hold the predicted model state within 10%.
+  staged SmolLM2 cut to 2 layers (full, LoRA) hold the predicted model state within 10%.
 """
 from __future__ import annotations
 
 import json
+import re
+import shutil
 
 import pytest
 import torch
@@ -429,27 +431,54 @@ def test_config_checker_gives_every_shipped_config_the_decoder_state_with_and_wi
 # so best/ is saved once, before the last evaluation: a save gathers every ZeRO-3 parameter and partitions them all
 # again, which would hide what the evaluation left gathered (the prediction's "after_eval").
 LORA = ["--use_peft", "--lora_r", "4", "--lora_dropout", "0"]
-MEMORY_RUN = ["--model_name_or_path", str(SMOLLM2), *PRETRAINED_DATA, "--max_length", "16", "--max_train_samples", "8",
+MEMORY_RUN = [*PRETRAINED_DATA, "--max_length", "16", "--max_train_samples", "8",
               "--max_eval_samples", "4", "--per_device_train_batch_size", "2", "--max_train_steps", "2",
               "--eval_steps", "1", "--learning_rate", "1e-30", "--record_ranks"]
-MEMORY_RTOL = 0.10  # the issue's bound; measured here: 0.9989 (LoRA) and 1.0000
+MEMORY_RTOL = 0.10  # the issue's bound; measured here: 0.9951 (LoRA) and 1.0000
+CUT_LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def smollm2_cut(tmp_path_factory):
+    """The staged SmolLM2 cut to its first CUT_LAYERS of 30 decoder layers: the other layers' tensors removed from its
+    safetensors file (same names, dtypes and metadata) and config.json edited, as conftest's `cut_pretrained` cuts
+    MiniLM. Its real 49,152 x 576 embedding (28 M of the cut's 35 M parameters) and real layers keep what the memory
+    model must get right (a tied embedding, frozen under LoRA; a layer's shapes); the 28 other layers would only
+    repeat the second's, at 4 times the launch's time."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = tmp_path_factory.mktemp("smollm2_cut")
+    for f in SMOLLM2.iterdir():
+        if f.is_file() and f.name not in ("model.safetensors", "config.json"):
+            shutil.copy(f, path)
+    with safe_open(str(SMOLLM2 / "model.safetensors"), "pt") as f:
+        metadata = f.metadata()
+        kept = {key: f.get_tensor(key) for key in f.keys()
+                if not (m := re.search(r"\blayers\.(\d+)\.", key)) or int(m.group(1)) < CUT_LAYERS}
+    save_file(kept, str(path / "model.safetensors"), metadata=metadata)
+    config = json.loads((SMOLLM2 / "config.json").read_text())
+    assert config["num_hidden_layers"] > CUT_LAYERS
+    (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": CUT_LAYERS}, indent=2))
+    return path
 
 
 @pytest.mark.multiproc
 @no_gpu
 @staged
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_measured_model_state_is_the_predicted_one_on_smollm2(tmp_path, lora):
-    """ZeRO-3, fp32, 2 processes: every rank's live tensor bytes after the last evaluation (parameters, gradients,
-    optimizer state, buffers as memstats finds them) against scripts/memory_model.py's prediction, which keeps the
-    evaluation's gathered parameters but, under LoRA, the frozen input embedding. (FSDP2 and one process with LoRA
-    measured 1.0000 of the prediction too, not launched here for time.)"""
+def test_measured_model_state_is_the_predicted_one_on_smollm2(smollm2_cut, tmp_path, lora):
+    """ZeRO-3, fp32, 2 processes, SmolLM2's first 2 layers: every rank's live tensor bytes after the last evaluation
+    (parameters, gradients, optimizer state, buffers as memstats finds them) against scripts/memory_model.py's
+    prediction, which keeps the evaluation's gathered parameters but, under LoRA, the frozen input embedding. (The
+    whole 30-layer model measured 0.9989 (LoRA) and 1.0000 in this test before the cut; FSDP2 and one process with
+    LoRA 1.0000 too, not launched here for time.)"""
     from scripts import memory_model as mm
 
     config = "zero3.yaml"
-    run_recipe(tmp_path / "run", *MEMORY_RUN, *(LORA if lora else []), config=config,
-               launch_args=fp32_launch_args(config, tmp_path))
-    shape = mm.shape_from_model(str(SMOLLM2), lora_r=4 if lora else None)
+    run_recipe(tmp_path / "run", "--model_name_or_path", str(smollm2_cut), *MEMORY_RUN, *(LORA if lora else []),
+               config=config, launch_args=fp32_launch_args(config, tmp_path))
+    shape = mm.shape_from_model(str(smollm2_cut), lora_r=4 if lora else None)
     ds = json.loads((tmp_path / f"fp32_{config}.json").read_text())
     predicted = mm.totals(mm.predict("zero3", shape, 2, "fp32", ds_config=ds))["after_eval"]
     for record in rank_records(tmp_path / "run"):
