@@ -8,7 +8,7 @@ movie).
   configs (ZeRO-1, the offload ones) start from this checkpoint in tests/test_strategies.py.
 - Parity, fp32 without dropout: one process, FSDP2, ZeRO-2 and ZeRO-3 follow DDP's per-step losses within PARITY_ATOL,
   measured on this model, and its pre-clip gradient norms within GRAD_NORM_RTOL.
-- Pretrained beats random init: the whole 6-layer model (the 2-layer cut learns too late, see ARM_STEPS), 40 steps each,
+- Pretrained beats random init: the whole 6-layer model (the 2-layer cut learns too late, see ARM_STEPS), 32 steps each,
   each arm at its own learning rate, scored on the whole eval split: a margin of at least 0.10 accuracy (one process
   per arm: nothing in it is about several processes).
 - Bad input, one line each and nothing written: a folder without weights, weights that do not fit config.json, a
@@ -45,7 +45,7 @@ PARITY_ATOL = {"single.yaml": 5e-7, "fsdp.yaml": 5e-7, "zero2.yaml": 5e-7, "zero
 # float32, in DeepSpeed's flat partitions rather than per tensor. The tiny model's 1e-5 (1.4 M parameters) is too
 # tight here; a wrong gradient scale is a factor of 2 (the world size).
 GRAD_NORM_RTOL = 5e-5
-# The learning test: 40 steps of 32 snippets (max 32 tokens) from the whole training split at a constant rate, scored on
+# The learning test: 32 steps of 32 snippets (max 32 tokens) from the whole training split at a constant rate, scored on
 # the whole eval split (1,143), on the whole 6-layer model. One process takes the 32 snippets of a step that DDP's two
 # ranks would take as 2 x 16 (as single.yaml does in test_strategies_follow_ddp_on_the_pretrained_model), without a
 # second rank's start-up and an all-reduce of 22 M gradients a step. Rates chosen on the validation split (1,301) with a
@@ -54,8 +54,11 @@ GRAD_NORM_RTOL = 5e-5
 # parity tests use was measured first and is not used here: only 2 of 6 layers carry little of the sentence into [CLS],
 # which the classifier reads through BERT's pooler, and within 40 steps of 64 it either stayed at the majority share
 # (1e-4, 1e-3, 2e-3: 0.560) or only began to learn (3e-4 with 10 warm-up steps 0.683, 5e-4 0.636): no margin to trust.
-# The whole model at 32 snippets of at most 32 tokens costs about what the cut did at 64 snippets of 64.
-ARM_STEPS = ["--max_train_steps", "40", "--per_device_train_batch_size", "32", "--max_length", "32",
+# The whole model at 32 snippets of at most 32 tokens costs about what the cut did at 64 snippets of 64. The steps:
+# through the recipe on the validation split, evaluated every 8 steps (2026-11-29), the pretrained arm scored 0.560,
+# 0.670, 0.673, 0.759, 0.773 at steps 8 to 40 and the random-init arm flipped between the two classes' shares (0.440,
+# 0.560): 32 steps keep a margin of 0.20 or more whichever share random init sits at, for 4/5 of 40 steps' time.
+ARM_STEPS = ["--max_train_steps", "32", "--per_device_train_batch_size", "32", "--max_length", "32",
              "--lr_scheduler_type", "constant", "--max_train_samples", "100000", "--max_eval_samples", "100000"]
 PRETRAINED_LR, RANDOM_INIT_LR = "1e-4", "1e-3"
 MARGIN = 0.10
@@ -106,9 +109,9 @@ def test_pretrained_beats_random_init(pretrained_model, tmp_path):
         run_recipe(tmp_path / arm, "--model_name_or_path", str(pretrained_model), *PRETRAINED_DATA, *ARM_STEPS, *flags,
                    config=None)
         last = read_jsonl(tmp_path / arm / "eval.jsonl")[-1]
-        assert last["step"] == 40 and last["n_examples"] == n_eval >= 500
+        assert last["step"] == 32 and last["n_examples"] == n_eval >= 500
         accuracy[arm] = last["accuracy"]
-    print(f"eval accuracy after 40 steps: {accuracy}")
+    print(f"eval accuracy after 32 steps: {accuracy}")
     assert accuracy["pretrained"] - accuracy["random_init"] >= MARGIN, accuracy
 
 
