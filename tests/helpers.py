@@ -93,7 +93,7 @@ def run_recipe(output_dir: Path, *flags: str, config: str | None = "ddp.yaml", l
     """`accelerate launch --config_file accelerate_configs/<config> recipes/cls.py ...` (or plain python if None).
     Its processes fork from one that imported the stack already when tests/prewarm.py's server runs."""
     if config is None:
-        cmd = [os.environ.get("RECIPE_TEST_PREWARM_PYTHON", PYTHON), "recipes/cls.py"]
+        cmd = [python(), "recipes/cls.py"]
     else:
         cmd = [*launcher(), "launch", "--config_file", f"accelerate_configs/{config}",
                "--main_process_port", str(free_port()), *launch_args, "recipes/cls.py"]
@@ -102,6 +102,12 @@ def run_recipe(output_dir: Path, *flags: str, config: str | None = "ddp.yaml", l
     if check and proc.returncode != 0:
         raise AssertionError(f"recipe failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def python() -> str:
+    """The interpreter for a python command a test starts: tests/prewarm.py's shim while its server runs (a fork of a
+    process that imported the stack, DeepSpeed, PEFT and MLflow not among it), this environment's python otherwise."""
+    return os.environ.get("RECIPE_TEST_PREWARM_PYTHON", PYTHON)
 
 
 def launcher(script: str = ACCELERATE) -> list[str]:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import serving_data
-from helpers import PYTHON, REPO, committed_results, read_jsonl
+from helpers import REPO, committed_results, python, read_jsonl
 from recipes import RecipeError, export, predict
 from recipes.inputs import problem
 from recipes.serving import classifier, onnx_export, parity
@@ -206,7 +206,7 @@ def test_bad_folders_and_flags_are_one_line_each(made, tmp_path):
         assert message in str(err.value) and "\n" not in str(err.value), (argv, str(err.value))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lone", "moved"]
     # as a command: exit status 2, one error line, nothing written
-    proc = subprocess.run([PYTHON, "recipes/export.py", "--run_dir", str(lone), "--output_dir", str(tmp_path / "x")],
+    proc = subprocess.run([python(), "recipes/export.py", "--run_dir", str(lone), "--output_dir", str(tmp_path / "x")],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: no ")
     assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == \

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 import time
 
 import pytest
@@ -22,7 +21,7 @@ from safetensors.torch import load_file
 
 from helpers import (PARITY_FLAGS, PRETRAINED_DATA, REPO, TINY, TINY_FLAGS, assert_follows,
                      assert_pretrained_in_and_out, eval_loader, fp32_launch_args, free_port, kill_group, launcher,
-                     losses, no_gpu, rank_records, read_jsonl, run_recipe)
+                     losses, no_gpu, python, rank_records, read_jsonl, run_recipe)
 from recipes import cls
 from recipes.metrics import load_metrics
 from recipes.testing.probe import fingerprint
@@ -229,7 +228,8 @@ def test_conflicting_deepspeed_json_is_refused_at_start_up(tiny_model, tmp_path)
 def test_unwrapping_imports_no_deepspeed_until_a_run_has(tmp_path):
     """workarounds/accelerate.py unwrap_without_importing_deepspeed: Accelerate 1.15.0's extract_model_from_parallel imported deepspeed
     (and with it mlflow) in every run to test for an engine; now a plain wrapper unwraps without the import, and once
-    deepspeed is imported a DeepSpeedEngine unwraps as before. In a fresh interpreter: this one imported it long ago."""
+    deepspeed is imported a DeepSpeedEngine unwraps as before. In an interpreter that has not imported it (printed_last):
+    this one imported it long ago."""
     code = "\n".join([
         "import sys, torch",
         "from accelerate.utils import extract_model_from_parallel",
@@ -248,8 +248,9 @@ def test_unwrapping_imports_no_deepspeed_until_a_run_has(tmp_path):
 
 
 def printed_last(code: str) -> str:
-    """The last line `code` prints, run in a fresh interpreter in the checkout (it must exit 0)."""
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    """The last line `code` prints, run in the checkout by an interpreter that has not imported DeepSpeed, PEFT or
+    MLflow (helpers.python(): a fork of tests/prewarm.py's server, or a fresh one); it must exit 0."""
+    proc = subprocess.run([python(), "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout.strip().splitlines()[-1]
 
@@ -258,7 +259,8 @@ def printed_last(code: str) -> str:
 def test_deepspeed_is_imported_without_mlflow_unless_the_run_logs_to_it(report_to, imported):
     """workarounds/deepspeed.py import_deepspeed_without_mlflow: deepspeed 0.19.8's autotuner imported mlflow (about 0.9 s) in every
     DeepSpeed rank where the trackers extra is installed; now it does only in a run that logs to MLflow, and
-    `import mlflow` still works afterwards. In a fresh interpreter (this one imported both long ago)."""
+    `import mlflow` still works afterwards. In an interpreter that has imported neither (printed_last): this one imported
+    both long ago."""
     code = "\n".join([
         "import sys",
         "from recipes.config import parse_config",
