@@ -11,9 +11,10 @@ written at start with this interpreter in its first line). The shim sends the se
 working folder and its stdin/stdout/stderr; the server forks; the fork takes those as its own and runs the script as
 `__main__` the way `python script.py` would, then exits through the interpreter's own shutdown. A forked launcher
 sees the shim as `sys.executable`, so the ranks it starts (accelerate's simple launcher, torchrun's agent) come back
-through the shim as well. The shim forwards the signals it receives to its fork and exits as the fork did (the same
-code, or killed by the same signal); when the shim dies (SIGKILL at a test's time limit), the server kills its fork and
-everything below it (`scripts/measure/processes.kill_tree`, what `kill_launch` does to a real launch).
+through the shim as well, as do scripts/sweep.py's trials. The shim forwards the signals it receives to its fork and
+exits as the fork did (the same code, or killed by the same signal); when the shim dies (SIGKILL at a test's time
+limit), the server kills its fork and everything below it (`scripts/measure/processes.kill_tree`, what `kill_launch`
+does to a real launch).
 
 What a fork cannot take over from a fresh interpreter, it does not: a command with an interpreter flag other than
 -u, -m or -c, or an environment that differs from the server's in a variable read at import time (anything outside
@@ -60,20 +61,35 @@ LAUNCH_VARIABLES = re.compile(
 PRELOAD = ["recipes.cls", "accelerate.commands.accelerate_cli", "accelerate.commands.launch", "torch.distributed.run",
            "datasets", "evaluate", "safetensors.torch", "transformers.models.roberta.modeling_roberta",
            "transformers.models.llama.modeling_llama"]
-LAUNCHERS = {"accelerate", "torchrun", "accelerate-launch"}
+# Scripts that start recipe runs as `sys.executable ...`: their forks see the shim as sys.executable, so those runs come
+# back here too (the launchers' ranks; scripts/sweep.py's trials, and the launcher it starts beside sys.executable,
+# `accelerate`, which write_shim links to the real one).
+LAUNCHERS = {"accelerate", "torchrun", "accelerate-launch", "sweep.py"}
 SHIM = '''#!{python} -S
-import json, os, signal, socket, sys
+import json, os, signal, socket, sys, time
 REAL = {python!r}
 def real():
     os.execv(REAL, [REAL] + sys.argv[1:])
+def starting(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, ValueError, IndexError):
+        return False
 path = os.environ.get("RECIPE_TEST_PREWARM", "")
 if not path.startswith("/"):
     real()
+server = int(os.environ.get("RECIPE_TEST_PREWARM_SERVER") or 0)
+deadline = time.monotonic() + 120
 s = socket.socket(socket.AF_UNIX)
-try:
-    s.connect(path)
-except OSError:
-    real()
+while True:
+    try:
+        s.connect(path)
+        break
+    except OSError:
+        if not server or not starting(server) or time.monotonic() > deadline:
+            real()
+        time.sleep(0.1)
 fds = []
 for fd in (0, 1, 2):
     try:
@@ -111,19 +127,25 @@ os._exit(int(line[1]))
 
 
 def write_shim(folder: str) -> str:
-    """The shim, executable, in `folder`: a stand-in for this interpreter that asks the server for a fork."""
+    """The shim, executable, in `folder`: a stand-in for this interpreter that asks the server for a fork; beside it
+    a link to this environment's `accelerate` (scripts/sweep.py starts `<sys.executable's folder>/accelerate`)."""
     path = os.path.join(folder, "python")
     with open(path, "w") as f:
         f.write(SHIM.format(python=sys.executable))
     os.chmod(path, 0o755)
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    if os.path.exists(accelerate):
+        os.symlink(accelerate, os.path.join(folder, "accelerate"))
     return path
 
 
 def start() -> subprocess.Popen | None:
     """Start this process's server (None when RECIPE_TEST_PREWARM=0): the shim and the socket go to a new folder
     under /tmp (a socket's path has at most 107 bytes), named in RECIPE_TEST_PREWARM (the socket) and
-    RECIPE_TEST_PREWARM_PYTHON (the shim) for helpers.run_recipe. The shim execs the real python until the server's
-    imports are done and its socket appears, so nothing waits for it."""
+    RECIPE_TEST_PREWARM_PYTHON (the shim) for helpers.run_recipe, the server's pid in RECIPE_TEST_PREWARM_SERVER. While
+    the server imports (about 10 s alone) the shim waits for its socket: a launch started then (a test file's first)
+    would otherwise import the stack in each of its processes beside the server, on the same 2 cores. It execs the
+    real python when no server runs, when the server has exited (Linux's /proc says so), or after 120 s."""
     if os.environ.get("RECIPE_TEST_PREWARM") == "0":
         return None
     folder = tempfile.mkdtemp(prefix="prewarm-", dir="/tmp")
@@ -131,9 +153,11 @@ def start() -> subprocess.Popen | None:
     os.environ["RECIPE_TEST_PREWARM_PYTHON"] = write_shim(folder)
     # RECIPE_TEST_PREWARM_LOG: a file to append the server's log to (each request: forked, or exec'd and why)
     with open(os.environ.get("RECIPE_TEST_PREWARM_LOG", os.path.join(folder, "log")), "a") as log:
-        return subprocess.Popen([sys.executable, __file__, os.environ["RECIPE_TEST_PREWARM"],
-                                 os.environ["RECIPE_TEST_PREWARM_PYTHON"], log.name], stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=log, start_new_session=True)
+        server = subprocess.Popen([sys.executable, __file__, os.environ["RECIPE_TEST_PREWARM"],
+                                   os.environ["RECIPE_TEST_PREWARM_PYTHON"], log.name], stdin=subprocess.DEVNULL,
+                                  stdout=log, stderr=log, start_new_session=True)
+    os.environ["RECIPE_TEST_PREWARM_SERVER"] = str(server.pid)
+    return server
 
 
 def stop(server: subprocess.Popen | None) -> None:
@@ -142,6 +166,7 @@ def stop(server: subprocess.Popen | None) -> None:
         return
     folder = os.path.dirname(os.environ.pop("RECIPE_TEST_PREWARM"))
     os.environ.pop("RECIPE_TEST_PREWARM_PYTHON", None)
+    os.environ.pop("RECIPE_TEST_PREWARM_SERVER", None)
     server.terminate()
     try:
         server.wait(timeout=30)

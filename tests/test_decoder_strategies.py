@@ -202,7 +202,7 @@ def test_sweep_of_padding_free_with_grouping_class_weights_checkpointing_and_rep
     --class_weights balanced, --gradient_checkpointing, accumulation 2 and the evaluation report: both trials finish,
     the packed run's per-step losses and evaluation follow the padded one's (the same sequences, each pooled at its
     last token), the sweep's report holds both scores, each eval_report/ counts the 32 evaluation examples."""
-    from helpers import PYTHON, run_in_own_group
+    from helpers import python, run_in_own_group
 
     space = tmp_path / "space.yaml"
     space.write_text("padding_free: [false, true]\n")
@@ -212,7 +212,7 @@ def test_sweep_of_padding_free_with_grouping_class_weights_checkpointing_and_rep
              "--per_device_eval_batch_size", "16", "--cpu_threads", "1", "--max_train_steps", "6", "--eval_steps", "3",
              "--logging_steps", "1", "--learning_rate", "1e-3", "--group_by_length", "--class_weights", "balanced",
              "--gradient_checkpointing", "--eval_report", "true"]
-    proc = run_in_own_group([PYTHON, "scripts/sweep.py", "--space", str(space), "--seeds", "1", "--output_dir",
+    proc = run_in_own_group([python(), "scripts/sweep.py", "--space", str(space), "--seeds", "1", "--output_dir",
                              str(out), "--metric", "loss", "--", *fixed], 600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())

@@ -64,6 +64,33 @@ def test_what_a_fork_cannot_honour_starts_fresh():
     assert prewarm.import_time_differences({"HOME": "/root"}, base) == ["HF_HOME"]
 
 
+def test_the_shim_waits_for_a_starting_server_and_only_for_one(tmp_path):
+    """While the server named in RECIPE_TEST_PREWARM_SERVER runs and its socket has not appeared, the shim waits; once
+    that process has exited (a zombie counts as exited), or with no server named, it runs the real python at once."""
+    path = tmp_path / "shim"
+    path.write_text(prewarm.SHIM.format(python=PYTHON))
+    path.chmod(0o755)
+    stand_in = subprocess.Popen(["sleep", "30"])  # a "server" that never opens its socket
+    env = {**os.environ, "RECIPE_TEST_PREWARM": str(tmp_path / "socket"),
+           "RECIPE_TEST_PREWARM_SERVER": str(stand_in.pid)}
+    try:
+        started = time.monotonic()
+        waiting = subprocess.Popen([str(path), "-c", "print('ran')"], stdout=subprocess.PIPE, text=True, env=env)
+        time.sleep(2)
+        assert waiting.poll() is None  # still waiting for the socket
+        stand_in.kill()  # exits, unreaped for a moment: a zombie
+        out, _ = waiting.communicate(timeout=60)
+        assert out == "ran\n" and waiting.returncode == 0 and time.monotonic() - started >= 2
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+    for server in ("", str(stand_in.pid)):  # none named, or one that has exited: no wait
+        started = time.monotonic()
+        proc = subprocess.run([str(path), "-c", "print('ran')"], capture_output=True, text=True,
+                              env={**env, "RECIPE_TEST_PREWARM_SERVER": server}, timeout=60)
+        assert proc.stdout == "ran\n" and time.monotonic() - started < 10, (server, proc.stderr)
+
+
 def alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie, dead but not yet reaped by its new parent, does not)."""
     try:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PYTHON, REPO, TINY, read_jsonl, run_in_own_group
+from helpers import PYTHON, REPO, TINY, python, read_jsonl, run_in_own_group
 from scripts import sweep
 
 # 8 optimizer steps of 8 samples, evaluations at steps 3, 6 and 8 on 32 examples, a checkpoint every 2 steps. The
@@ -31,9 +31,11 @@ RATES = [1e-3, 3e-3]
 FIRST = "learning_rate=0.001,seed=42"  # the grid's first trial: the one the kill test interrupts
 
 
-def sweep_cmd(out: Path, space: Path, seeds: int = 2, *extra: str) -> list[str]:
-    return [PYTHON, "scripts/sweep.py", "--space", str(space), "--seeds", str(seeds), "--output_dir", str(out),
-            "--metric", "loss", *extra, "--", *FIXED]
+def sweep_cmd(out: Path, space: Path, seeds: int = 2, *extra: str, interpreter: str = "") -> list[str]:
+    """The sweep's command; `interpreter` default helpers.python(), whose fork of the prewarm server starts its trials
+    through the shim too (their recorded commands then begin with the shim)."""
+    return [interpreter or python(), "scripts/sweep.py", "--space", str(space), "--seeds", str(seeds), "--output_dir",
+            str(out), "--metric", "loss", *extra, "--", *FIXED]
 
 
 def run_sweep(cmd: list[str], timeout: float = 400, env=None) -> subprocess.CompletedProcess:
@@ -86,7 +88,7 @@ def test_grid_trials_equal_hand_runs_and_the_report_recomputes(reference, tmp_pa
         assert [e["step"] for e in evals] == [3, 6, 8] and (folder / "final").is_dir()
         assert t["value"] == evals[-1]["loss"]  # the storage holds the trial's own last evaluation, exactly
         assert len(launches(folder)) == 1
-        study_cmds[name] = [PYTHON, "recipes/cls.py", *FIXED, "--learning_rate", str(t["config"]["learning_rate"]),
+        study_cmds[name] = [python(), "recipes/cls.py", *FIXED, "--learning_rate", str(t["config"]["learning_rate"]),
                             "--seed", str(t["seed"]), "--output_dir", str(folder), "--resume_from_checkpoint", "auto"]
     # By hand: one trial's command (as written above, not read from the sweep) in another folder, the same metric
     # to the last bit (fp32, same code path, same machine).
@@ -126,7 +128,7 @@ def test_grid_trials_equal_hand_runs_and_the_report_recomputes(reference, tmp_pa
     alone = tmp_path / "alone"
     alone.mkdir()
     shutil.copy(out / "study.db", alone / "study.db")
-    rebuilt = run_in_own_group([PYTHON, "scripts/sweep.py", "--report", "--output_dir", str(alone),
+    rebuilt = run_in_own_group([python(), "scripts/sweep.py", "--report", "--output_dir", str(alone),
                                 "--storage", f"sqlite:///{alone / 'study.db'}"], 120)
     assert rebuilt.returncode == 0, rebuilt.stderr
     assert report(alone) == rep
@@ -138,7 +140,9 @@ def test_killed_sweep_resumes_to_the_same_report(reference, space, tmp_path):
     for folder in (ref_out / "trials").iterdir():  # finished trials: the restart must take them from their files
         if folder.name != FIRST:
             shutil.copytree(folder, out / "trials" / folder.name)
-    cmd = sweep_cmd(out, space)
+    # The real interpreter: a forked sweep's SIGKILL would take its trial with it (the prewarm server kills what a
+    # dead shim started), and the restart's own stop of the orphaned trial is what this test is about.
+    cmd = sweep_cmd(out, space, interpreter=PYTHON)
     killed = out / "trials" / FIRST
     with open(tmp_path / "killed.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -166,7 +170,9 @@ def test_killed_sweep_resumes_to_the_same_report(reference, space, tmp_path):
         [(c["config"], c["values"], c["mean"], c["std"], c["ci95"]) for c in ref["configurations"]]
     assert sorted((t["name"], t["state"], t["value"]) for t in got["trials"]) == \
         sorted((t["name"], t["state"], t["value"]) for t in ref["trials"])
-    assert json.dumps(got["best"]["command"]).replace(str(out), str(ref_out)) == json.dumps(ref["best"]["command"])
+    best, ref_best = got["best"]["command"], ref["best"]["command"]  # each begins with the interpreter its sweep ran
+    assert best[0] == PYTHON and ref_best[0] == python()
+    assert json.dumps(best[1:]).replace(str(out), str(ref_out)) == json.dumps(ref_best[1:])
 
 
 def test_pruned_and_failed_trials_are_recorded(reference, tmp_path):
