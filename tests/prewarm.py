@@ -40,7 +40,8 @@ from scripts.measure import processes
 
 # Variables a launch sets or a test run changes that no imported module reads at import time: a fork may differ
 # from the server in these (accelerate 1.15.0 and torch 2.13.0's launchers set them for each rank; a DeepSpeed launch
-# also sets what `import deepspeed` sets, and PYTHONPATH, whose new entries a fork adds to sys.path as python would).
+# also sets what `import deepspeed` sets, and PYTHONPATH, whose new entries a fork puts on its import path as python
+# would).
 # CUDA_VISIBLE_DEVICES is read when CUDA starts, which the server never does: it serves only where no GPU is visible.
 # torchrun's own (PET_*: its arguments as variables; TORCH_DISABLE_SHARE_RDZV_TCP_STORE, read by its rendezvous).
 # Three that imports in a pytest worker set and its launches inherit: KMP_DUPLICATE_LIB_OK and KMP_INIT_AT_FORK
@@ -64,7 +65,7 @@ PRELOAD = ["recipes.cls", "accelerate.commands.accelerate_cli", "accelerate.comm
 # Scripts that start recipe runs as `sys.executable ...`: their forks see the shim as sys.executable, so those runs come
 # back here too (the launchers' ranks; scripts/sweep.py's trials, and the launcher it starts beside sys.executable,
 # `accelerate`, which write_shim links to the real one).
-LAUNCHERS = {"accelerate", "torchrun", "accelerate-launch", "sweep.py"}
+STARTS_RUNS = {"accelerate", "torchrun", "accelerate-launch", "sweep.py"}
 SHIM = '''#!{python} -S
 import json, os, signal, socket, sys, time
 REAL = {python!r}
@@ -387,7 +388,7 @@ class Server:
             main.__file__ = filename
             with open(script, "rb") as f:
                 source = f.read()
-            if os.path.basename(script) in LAUNCHERS:
+            if os.path.basename(script) in STARTS_RUNS:
                 sys.executable = self.shim  # the ranks it starts come back here
         main.__builtins__ = builtins
         main.__spec__ = None
