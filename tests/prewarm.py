@@ -16,6 +16,18 @@ exits as the fork did (the same code, or killed by the same signal); when the sh
 limit), the server kills its fork and everything below it (`scripts/measure/processes.kill_tree`, what `kill_launch`
 does to a real launch).
 
+DeepSpeed launches fork from a second server, forked from the first once it has imported the stack, that has also
+imported what a DeepSpeed rank imports (deepspeed, with mlflow hidden as recipes/workarounds/deepspeed.py does, and
+the modules `deepspeed.initialize` pulls in: torch's inductor and dynamo for its Muon optimizer) and what `accelerate
+launch` imports for a DeepSpeed config (deepspeed's launcher). Measured on top of the first server's imports: 1.9
+CPU-seconds a ZeRO rank (deepspeed 0.36, the Muon module 1.57) and 2.2 a DeepSpeed launcher (deepspeed with mlflow);
+a tiny ZeRO-2 test alone took 47 s instead of 53. The first server hands the DeepSpeed server the shim's request (with
+the shim's connection and streams) when it is a DeepSpeed rank's (ACCELERATE_USE_DEEPSPEED=true, set by accelerate's
+launcher, and no "mlflow" in its command line: a run that logs to MLflow imports deepspeed with it, as it would) or
+`accelerate launch`'s (a launcher of another strategy never looks at deepspeed). The other processes fork from the
+first server, where deepspeed is not imported, as in a fresh run. The one line deepspeed logs at import ("Setting
+accelerator to CPU") goes to the servers' log instead of the rank's output: no test reads it.
+
 What a fork cannot take over from a fresh interpreter, it does not: a command with an interpreter flag other than
 -u, -m or -c, or an environment that differs from the server's in a variable read at import time (anything outside
 LAUNCH_VARIABLES below: HF_*, GOMP_*, a test's own settings), is answered "exec" and the shim execs the real python.
@@ -62,6 +74,14 @@ LAUNCH_VARIABLES = re.compile(
 PRELOAD = ["recipes.cls", "accelerate.commands.accelerate_cli", "accelerate.commands.launch", "torch.distributed.run",
            "datasets", "evaluate", "safetensors.torch", "transformers.models.roberta.modeling_roberta",
            "transformers.models.llama.modeling_llama"]
+# What the DeepSpeed server imports beyond PRELOAD (deepspeed itself first, through the recipe's own
+# import_deepspeed_without_mlflow): what a ZeRO rank of deepspeed 0.19.8 imports in `deepspeed.initialize` (the Muon
+# optimizer's module, which imports torch._inductor.compile_fx and torch._dynamo; 1.6 CPU-s alone), what an offload
+# config's CPU Adam loads its extension with, and what `accelerate launch` imports for a DeepSpeed config.
+DEEPSPEED_PRELOAD = ["deepspeed.runtime.zero.muon.muon_optimizer", "torch.utils.cpp_extension",
+                     "deepspeed.launcher.runner"]
+# The launchers the DeepSpeed server forks, whatever their strategy (see the module docstring).
+LAUNCHERS = {"accelerate", "accelerate-launch"}
 # Scripts that start recipe runs as `sys.executable ...`: their forks see the shim as sys.executable, so those runs come
 # back here too (the launchers' ranks; scripts/sweep.py's trials, and the launcher it starts beside sys.executable,
 # `accelerate`, which write_shim links to the real one).
@@ -204,33 +224,53 @@ def import_time_differences(env: dict, base: dict, set_by_imports: dict | None =
                   and not (k in set_by_imports and env.get(k) == set_by_imports[k]))
 
 
+def wants_deepspeed(req: dict) -> bool:
+    """Whether the DeepSpeed server forks this request (module docstring): a DeepSpeed rank's, or a launcher's."""
+    if req["env"].get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        return not any("mlflow" in arg for arg in req["argv"])
+    opts, args = interpreter_args(req["argv"])
+    return opts["module"] is None and opts["code"] is None and os.path.basename(args[0]) in LAUNCHERS
+
+
 class Server:
-    def __init__(self, path: str, shim: str, log: str | None, base_env: dict, set_by_imports: dict):
+    """The first server listens on the shims' socket (`listener`); the DeepSpeed server, its fork, takes the requests
+    the first hands it over a socket pair (`handoffs`) and tells it, on the same pair, which shim each of its forks
+    stands for, so that either knows the logical parent of a process the other's fork started."""
+
+    def __init__(self, shim: str, log: str | None, base_env: dict, set_by_imports: dict, listener=None,
+                 handoffs=None):
         self.base_env = base_env
         self.set_by_imports = set_by_imports
         self.shim = shim
         self.log = open(log, "a", buffering=1) if log else None
-        self.listener = socket.socket(socket.AF_UNIX)
-        self.listener.bind(path)
-        self.listener.listen(128)
+        self.listener = listener
+        self.handoffs = handoffs
+        self.deepspeed = None  # the first server's: (pid, pair end) of the DeepSpeed server while it runs
+        self.told = b""     # what the DeepSpeed server has told, up to an unfinished line
         self.conns = {}     # fork pid -> connection to its shim
         self.shims = {}     # fork pid -> the shim's pid (the fork's stand-in in the process tree)
         self.parent = os.getppid()
         self.stopping = False
+        self.name = "" if handoffs is None else "deepspeed "
 
     def stop(self) -> None:
         self.stopping = True
 
     def note(self, line: str) -> None:
         if self.log:
-            self.log.write(line + "\n")
+            self.log.write(self.name + line + "\n")
 
     def serve(self) -> None:
         while os.getppid() == self.parent and not self.stopping:
-            ready, _, _ = select.select([self.listener, *self.conns.values()], [], [], 0.2)
+            sources = [self.listener or self.handoffs] + ([self.deepspeed[1]] if self.deepspeed else [])
+            ready, _, _ = select.select([*sources, *self.conns.values()], [], [], 0.2)
             for conn in ready:
                 if conn is self.listener:
                     self.accept()
+                elif conn is self.handoffs:
+                    self.take_handoff()
+                elif self.deepspeed and conn is self.deepspeed[1]:
+                    self.hear_deepspeed()
                 else:
                     self.shim_gone(conn)
             self.reap()
@@ -250,13 +290,72 @@ class Server:
             return
         why = self.refusal(req)
         command = " ".join(req["argv"][:2]).splitlines()[0][:100]
-        self.note(f"{'exec' if why else 'fork'} {command}" + (f": {why}" if why else ""))
         if why:
+            self.note(f"exec {command}: {why}")
             for fd in fds:
                 os.close(fd)
             conn.sendall(b"exec\n")
             conn.close()
             return
+        req["ppid"] = self.logical_parent(req["ppid"])
+        if self.deepspeed and wants_deepspeed(req) and self.hand_over(conn, fds, req):
+            return
+        self.note(f"fork {command}")
+        self.fork(conn, fds, req)
+
+    def hand_over(self, conn, fds: list[int], req: dict) -> bool:
+        """Pass the request, the shim's connection and its streams to the DeepSpeed server; False if it is gone."""
+        data = json.dumps(req).encode()
+        try:
+            socket.send_fds(self.deepspeed[1], [b"h"], [conn.fileno(), *fds])
+            self.deepspeed[1].sendall(len(data).to_bytes(8, "big") + data)
+        except OSError as e:
+            self.note(f"the DeepSpeed server is gone ({e!r}): forking here")
+            self.deepspeed = None
+            return False
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+        return True
+
+    def take_handoff(self) -> None:
+        """In the DeepSpeed server: a request the first server handed over (nothing: the first server has gone)."""
+        msg, fds, _, _ = socket.recv_fds(self.handoffs, 1, 4)
+        if not msg:
+            self.stopping = True
+            return
+        conn = socket.socket(fileno=fds[0])
+        req = json.loads(self.recv_exact(self.handoffs, int.from_bytes(self.recv_exact(self.handoffs, 8), "big")))
+        self.note("fork " + " ".join(req["argv"][:2]).splitlines()[0][:100])
+        req["ppid"] = self.logical_parent(req["ppid"])
+        pid = self.fork(conn, fds[1:], req)
+        self.handoffs.sendall(f"{pid} {req['pid']}\n".encode())
+
+    def hear_deepspeed(self, wait_for: int | None = None) -> None:
+        """In the first server: read what the DeepSpeed server told (fork pid, shim pid lines), until it has told
+        about `wait_for` when given (it tells right after the fork, so this waits for a line already on its way)."""
+        pair = self.deepspeed[1]
+        pair.settimeout(10 if wait_for else 0)
+        try:
+            while True:
+                chunk = pair.recv(4096)
+                if not chunk:
+                    self.deepspeed = None
+                    break
+                self.told += chunk
+                *whole, self.told = self.told.split(b"\n")
+                for line in whole:
+                    fork, shim = map(int, line.split())
+                    self.shims[fork] = shim
+                if wait_for is None or wait_for in self.shims:
+                    break
+        except (BlockingIOError, TimeoutError):
+            pass
+        finally:
+            if self.deepspeed:
+                pair.settimeout(None)
+
+    def fork(self, conn, fds: list[int], req: dict) -> int:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         pid = os.fork()
@@ -268,6 +367,7 @@ class Server:
         conn.sendall(f"pid {pid}\n".encode())
         self.conns[pid] = conn
         self.shims[pid] = req["pid"]
+        return pid
 
     @staticmethod
     def recv_exact(conn, size: int) -> bytes:
@@ -323,8 +423,10 @@ class Server:
             conn.close()
 
     def logical_parent(self, shim_parent: int) -> int:
-        """The parent a fresh interpreter would have: the shim's parent, or, when that parent is itself a fork, the
-        fork's shim (whose command line, in /proc, is the launch's)."""
+        """The parent a fresh interpreter would have: the shim's parent, or, when that parent is itself a fork (of
+        this server or of the DeepSpeed server), the fork's shim (whose command line, in /proc, is the launch's)."""
+        if self.deepspeed and shim_parent not in self.shims and parent_of(shim_parent) == self.deepspeed[0]:
+            self.hear_deepspeed(wait_for=shim_parent)
         return self.shims.get(shim_parent, shim_parent)
 
     def become(self, req: dict, fds: list[int], conn) -> None:
@@ -333,10 +435,10 @@ class Server:
         import io
         import types
 
-        ppid = self.logical_parent(req["ppid"])
-        self.listener.close()
-        for c in self.conns.values():
-            c.close()
+        ppid = req["ppid"]
+        for own in (self.listener, self.handoffs, self.deepspeed and self.deepspeed[1], *self.conns.values()):
+            if own:
+                own.close()
         conn.close()
         if self.log:
             self.log.close()
@@ -353,6 +455,7 @@ class Server:
             signal.signal(sig, signal.SIG_DFL)
         opts, args = interpreter_args(req["argv"])
         unbuffered = opts["unbuffered"] or bool(req["env"].get("PYTHONUNBUFFERED"))
+        server_streams = {id(sys.stdout): 1, id(sys.stderr): 2}
         sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.open(0, "rb", closefd=False), encoding="utf-8")
         sys.stdout = sys.__stdout__ = io.TextIOWrapper(
             io.open(1, "wb", buffering=0 if unbuffered else -1, closefd=False), encoding="utf-8",
@@ -360,6 +463,11 @@ class Server:
         sys.stderr = sys.__stderr__ = io.TextIOWrapper(
             io.open(2, "wb", buffering=0 if unbuffered else -1, closefd=False), encoding="utf-8",
             errors="backslashreplace", line_buffering=True, write_through=unbuffered)
+        # A logging handler made at import holds the server's stream (deepspeed's logger: its stdout, buffered for the
+        # server's log file): it gets the fork's, as it would have in a fresh interpreter.
+        for handler in stream_handlers():
+            if id(handler.stream) in server_streams:
+                handler.stream = sys.stdout if server_streams[id(handler.stream)] == 1 else sys.stderr
         if "OMP_NUM_THREADS" in req["env"]:
             import torch
 
@@ -397,6 +505,57 @@ class Server:
         sys.exit(0)
 
 
+def stream_handlers() -> list:
+    """Every logging.StreamHandler of the loggers made so far."""
+    import logging
+
+    loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(lg, logging.Logger))]
+    return [h for lg in loggers for h in lg.handlers if isinstance(h, logging.StreamHandler)]
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def start_deepspeed_server(shim: str, log: str | None, before: dict, set_by_imports: dict):
+    """Fork the DeepSpeed server (module docstring); (its pid, the first server's end of their pair), or None where
+    deepspeed is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return None
+    mine, theirs = socket.socketpair()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    pid = os.fork()
+    if pid:
+        theirs.close()
+        return pid, mine
+    mine.close()
+    seen = dict(os.environ)
+    from recipes.workarounds.deepspeed import import_deepspeed_without_mlflow
+
+    import_deepspeed_without_mlflow(logs_to_mlflow=False)
+    for name in DEEPSPEED_PRELOAD:
+        __import__(name)
+    import threading
+
+    if threading.active_count() != 1:
+        sys.stderr.write(f"prewarm: {threading.active_count()} Python threads after deepspeed's imports\n")
+        sys.stderr.flush()
+        os._exit(1)
+    set_by_imports = {**set_by_imports, **{k: v for k, v in os.environ.items() if seen.get(k) != v}}
+    server = Server(shim, log, before, set_by_imports, handoffs=theirs)
+    signal.signal(signal.SIGTERM, lambda sig, frame: server.stop())
+    server.serve()
+    os._exit(0)
+
+
 def main() -> None:
     path, shim = sys.argv[1], sys.argv[2]
     log = sys.argv[3] if len(sys.argv) > 3 else None
@@ -418,7 +577,12 @@ def main() -> None:
     # jemalloc thread) stop and restart around fork() by their own atfork handlers, as for DataLoader's fork workers.
     if threading.active_count() != 1:
         sys.exit(f"prewarm: {threading.active_count()} Python threads after imports: a fork would copy their locks")
-    server = Server(path + ".tmp", shim, log, before, set_by_imports)
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path + ".tmp")
+    listener.listen(128)
+    deepspeed = start_deepspeed_server(shim, log, before, set_by_imports)
+    server = Server(shim, log, before, set_by_imports, listener=listener)
+    server.deepspeed = deepspeed
     signal.signal(signal.SIGTERM, lambda sig, frame: server.stop())
     os.rename(path + ".tmp", path)  # the socket appears once it accepts
     server.serve()

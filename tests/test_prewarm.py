@@ -31,16 +31,19 @@ def lines(log: Path) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
 
 
-def test_a_forked_launch_trains_exactly_as_a_fresh_one(tiny_model, tmp_path):
-    """DDP, 2 processes, 8 steps with every rank's state recorded: the launcher and both ranks forked (3 forks in
-    the server's log), then the same run with the server switched off for it; per-step losses and every rank's
-    parameter sums after training and sample ids are equal."""
+@pytest.mark.parametrize("config,forks", [("ddp.yaml", {"deepspeed fork": 1, "fork": 2}),
+                                          ("zero2.yaml", {"deepspeed fork": 3})])
+def test_a_forked_launch_trains_exactly_as_a_fresh_one(tiny_model, tmp_path, config, forks):
+    """2 processes, 8 steps with every rank's state recorded: the launcher and both ranks forked (the launcher by the
+    DeepSpeed server, the ranks by the server their strategy takes: the log names each), then the same run with the
+    server switched off for it; per-step losses and every rank's parameter sums after training and sample ids are
+    equal."""
     log = server_log()
     before = len(lines(log))
-    run_recipe(tmp_path / "forked", *PARITY_FLAGS)
-    new = lines(log)[before:]
-    assert sum(line.startswith("fork ") for line in new) >= 3, new
-    run_recipe(tmp_path / "fresh", *PARITY_FLAGS, env={"RECIPE_TEST_PREWARM": "0"})
+    run_recipe(tmp_path / "forked", *PARITY_FLAGS, config=config)
+    new = [line.split(" /")[0].split(" -")[0].split(" recipes/")[0] for line in lines(log)[before:]]
+    assert {kind: new.count(kind) for kind in forks} == forks, lines(log)[before:]
+    run_recipe(tmp_path / "fresh", *PARITY_FLAGS, config=config, env={"RECIPE_TEST_PREWARM": "0"})
     assert len(losses(tmp_path / "forked")) == 8
     assert losses(tmp_path / "forked") == losses(tmp_path / "fresh")
     for key in ("param_sums", "sample_ids"):

@@ -263,7 +263,7 @@ def plan_command(run: Run, spec: ModelSpec, profile: Profile, run_dir: Path, run
         run.env = {"ACCELERATE_MIXED_PRECISION": "bf16" if spec.precision == "bf16" else "no"}
         return [PYTHON, *recipe_args, "--data_parallel"]
     strategy = "single" if run.name in RECIPE_VARIANTS else run.name
-    launch = [ACCELERATE, "launch", "--config_file", f"accelerate_configs/{strategy}.yaml",
+    launch = [PYTHON, ACCELERATE, "launch", "--config_file", f"accelerate_configs/{strategy}.yaml",
               "--num_processes", str(run.world), "--main_process_port", str(free_port())]
     if strategy.startswith("zero"):  # the JSON holds the precision; --mixed_precision beside it is an error
         run.ds_config, path = ds_config_for(strategy, spec.precision, runs_dir)
