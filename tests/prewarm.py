@@ -224,6 +224,13 @@ def import_time_differences(env: dict, base: dict, set_by_imports: dict | None =
                   and not (k in set_by_imports and env.get(k) == set_by_imports[k]))
 
 
+def asked_by(req: dict) -> str:
+    """" [<test id>]": the test whose launch sent the request (pytest sets PYTEST_CURRENT_TEST in each worker, and
+    launches inherit it), for the log; two workers may share one (RECIPE_TEST_PREWARM_LOG)."""
+    test = req["env"].get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    return f" [{test}]" if test else ""
+
+
 def wants_deepspeed(req: dict) -> bool:
     """Whether the DeepSpeed server forks this request (module docstring): a DeepSpeed rank's, or a launcher's."""
     if req["env"].get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
@@ -291,7 +298,7 @@ class Server:
         why = self.refusal(req)
         command = " ".join(req["argv"][:2]).splitlines()[0][:100]
         if why:
-            self.note(f"exec {command}: {why}")
+            self.note(f"exec {command}{asked_by(req)}: {why}")
             for fd in fds:
                 os.close(fd)
             conn.sendall(b"exec\n")
@@ -300,7 +307,7 @@ class Server:
         req["ppid"] = self.logical_parent(req["ppid"])
         if self.deepspeed and wants_deepspeed(req) and self.hand_over(conn, fds, req):
             return
-        self.note(f"fork {command}")
+        self.note(f"fork {command}{asked_by(req)}")
         self.fork(conn, fds, req)
 
     def hand_over(self, conn, fds: list[int], req: dict) -> bool:
@@ -326,7 +333,7 @@ class Server:
             return
         conn = socket.socket(fileno=fds[0])
         req = json.loads(self.recv_exact(self.handoffs, int.from_bytes(self.recv_exact(self.handoffs, 8), "big")))
-        self.note("fork " + " ".join(req["argv"][:2]).splitlines()[0][:100])
+        self.note("fork " + " ".join(req["argv"][:2]).splitlines()[0][:100] + asked_by(req))
         req["ppid"] = self.logical_parent(req["ppid"])
         pid = self.fork(conn, fds[1:], req)
         self.handoffs.sendall(f"{pid} {req['pid']}\n".encode())

@@ -391,6 +391,10 @@ def test_results_writer_writes_md_json_png_and_the_readme_block(tmp_path):
     text = readme.read_text()
     assert "old table" not in text and text.startswith("# Title\n\nbefore\n") and text.endswith("after\n")
     assert "| tiny | single | 1 | 2 | fp32 | 150.0 |" in text and "results/2026-01-02_cpu_box.png" in text
+    # the page gives the figures; each goal's verdict stays in the results file it links
+    assert "NOT met" in md and "(goal " not in text and "met)" not in text and "disturbed runs" not in text
+    assert "recipe / hand-written loop, same process: **0.990x** (min 0.970, max 1.010; 2 blocks of steps taken in " \
+           "turn in one process; 95% interval of the median 0.970-1.010)\n" in text
     readme.write_text("# No markers\n")
     assert not bench_report.update_readme(readme, results, paths)
     assert readme.read_text() == "# No markers\n"

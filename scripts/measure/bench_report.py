@@ -307,19 +307,21 @@ def goal_text(key: str, median: float) -> str:
     return f" (goal {op} {bound}: {'met' if met else 'NOT met'})"
 
 
-def interval_text(key: str, ci95) -> str:
+def interval_text(key: str, ci95, verdicts: bool = True) -> str:
     """The median's 95% interval, and for a headline ratio its half-width against HALF_WIDTH_GOAL."""
     if not ci95:  # one round, or a results file from before the intervals (its records --rerender)
         return ""
     half = (ci95[1] - ci95[0]) / 2
     goal = (f", half-width {half:.3f} (goal <= {HALF_WIDTH_GOAL}: {'met' if half <= HALF_WIDTH_GOAL else 'NOT met'})"
-            if key in HEADLINES else "")
+            if key in HEADLINES and verdicts else "")
     return f"; 95% interval of the median {ci95[0]:.3f}-{ci95[1]:.3f}{goal}"
 
 
-def ratio_lines(results: dict) -> list:
+def ratio_lines(results: dict, verdicts: bool = True) -> list:
     """One line per ratio: the median over the interleaved rounds (or blocks), its min-max, its 95% interval and the
-    goal."""
+    goal. Without `verdicts` (the user page, docs/benchmark.md) the figures only: no goal, no runs repeated or set
+    aside as disturbed; the results file beside it has both."""
+    goal = goal_text if verdicts else (lambda key, median: "")
     lines = []
     for model, entry in results["ratios"].items():
         for key, text in RATIO_TEXT.items():
@@ -332,8 +334,8 @@ def ratio_lines(results: dict) -> list:
             left_out = (f", {len(aside)} set aside as disturbed: " + ", ".join(map(str, aside))) if aside else ""
             left_out = "; every one disturbed, so all kept: not to be trusted" if r.get("all_disturbed") else left_out
             lines.append(f"- {model}, {text}: **{r['median']:.3f}x** (min {r['min']:.3f}, max {r['max']:.3f}; "
-                         f"{r['rounds']} {where}{left_out}{interval_text(key, r.get('ci95'))})"
-                         f"{goal_text(key, r['median'])}")
+                         f"{r['rounds']} {where}{left_out}{interval_text(key, r.get('ci95'), verdicts)})"
+                         f"{goal(key, r['median'])}")
         acc = entry.get("accuracy") or {}
         if acc:
             lines.append(f"- {model}, accuracy per round: " + "; ".join(
@@ -341,9 +343,9 @@ def ratio_lines(results: dict) -> list:
         diff = entry.get("grouped_minus_dynamic_accuracy_points")
         if diff:
             within = abs(diff["mean"]) <= ACCURACY_POINTS
+            verdict = f"; goal within {ACCURACY_POINTS}: {'met' if within else 'NOT met'}" if verdicts else ""
             lines.append(f"- {model}, grouped - dynamic accuracy: **{diff['mean']:+.2f} points** mean (min "
-                         f"{diff['min']:+.2f}, max {diff['max']:+.2f}; goal within {ACCURACY_POINTS}: "
-                         f"{'met' if within else 'NOT met'})")
+                         f"{diff['min']:+.2f}, max {diff['max']:+.2f}{verdict})")
         diff = entry.get("padding_free_minus_dynamic_accuracy_points")
         if diff:  # the same model per sequence; only dropout draws other numbers: no goal
             lines.append(f"- {model}, padding-free - dynamic accuracy: **{diff['mean']:+.2f} points** mean (min "
@@ -355,13 +357,14 @@ def ratio_lines(results: dict) -> list:
                          "their records): " + ", ".join(
                              f"{name} {r['min']:.3f}" + (f"-{r['max']:.3f}" if r["max"] != r["min"] else "")
                              + f" ({rounds(r)})" for name, r in computed.items())
-                         + f" (expected 1.000: {'met' if every else 'NOT met'})")
+                         + (f" (expected 1.000: {'met' if every else 'NOT met'})" if verdicts else ""))
         state = entry.get("lora_state_vs_full")
         if state:
             lines.append(f"- {model}, LoRA (r 8) / full fine-tuning, model state per rank: **{state['ratio']:.3f}x** "
                          f"({mib(state['lora']):.2f} / {mib(state['full']):.2f} MiB; LoRA measured / predicted "
                          f"{state['lora_measured_vs_predicted']:.3f})")
-        lines += disturbance_lines(model, entry.get("disturbed"))
+        if verdicts:
+            lines += disturbance_lines(model, entry.get("disturbed"))
     return lines
 
 
@@ -569,7 +572,8 @@ def update_readme(readme: Path, results: dict, paths: dict) -> bool:
     block = "\n".join([
         README_START,
         f"Latest `make bench` ({results['date']}, {results['hardware']['device']}, "
-        f"[full results]({link(paths['md'])})):", "", markdown_table(results), "", *ratio_lines(results), "",
+        f"[full results]({link(paths['md'])}), with each goal's verdict and the runs repeated or set aside as "
+        "disturbed):", "", markdown_table(results), "", *ratio_lines(results, verdicts=False), "",
         f"![throughput and memory]({link(paths['png'])})", README_END])
     head, rest = text.split(README_START, 1)
     readme.write_text(head + block + rest.split(README_END, 1)[1])
