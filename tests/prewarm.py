@@ -529,19 +529,26 @@ def parent_of(pid: int) -> int | None:
         return None
 
 
-def freeze_imports() -> None:
-    """gc.freeze() the objects the imports made, so that a fork's garbage collections skip them: a full collection
-    (the probe's rank_memory runs one, and the interpreter its own during a run) otherwise walks and writes the gc
-    header of each of about 450,000 objects, copying every page the fork shares with the server: measured 0.5-0.7
-    CPU-s per fork for rank_memory's collection and tensor scan, 0.001 s frozen (33,228 page faults against 996).
-    gc.get_objects() does not list frozen objects, so none of them may be a tensor (memstats.live_storages finds the
-    tensors a rank holds that way): checked here, none after the imports."""
+def ready_to_fork(what: str) -> None:
+    """Check that a fork of this process after `what` is safe and exact, then gc.freeze() what the imports made.
+
+    Only Python threads are checked: the native ones the imports start (OpenBLAS's pool under numpy and scipy,
+    pyarrow's jemalloc thread) stop and restart around fork() by their own atfork handlers, as for DataLoader's fork
+    workers. The freeze keeps a fork's garbage collections off the imports' objects: a full collection (the probe's
+    rank_memory runs one, and the interpreter its own during a run) otherwise walks and writes the gc header of each
+    of about 450,000 objects, copying every page the fork shares with the server: measured 0.5-0.7 CPU-s per fork
+    for rank_memory's collection and tensor scan, 0.001 s frozen (33,228 page faults against 996). gc.get_objects()
+    does not list frozen objects, so none of them may be a tensor (memstats.live_storages finds the tensors a rank
+    holds that way): none are after the imports."""
     import gc
+    import threading
 
     from recipes.model import memstats
 
+    if threading.active_count() != 1:
+        sys.exit(f"prewarm: {threading.active_count()} Python threads after {what}: a fork would copy their locks")
     if memstats.live_storages():
-        sys.exit("prewarm: tensors alive after the imports: frozen, a fork's live_storages would not see them")
+        sys.exit(f"prewarm: tensors alive after {what}: frozen, a fork's live_storages would not see them")
     gc.freeze()
 
 
@@ -560,23 +567,22 @@ def start_deepspeed_server(shim: str, log: str | None, before: dict, set_by_impo
         theirs.close()
         return pid, mine
     mine.close()
-    seen = dict(os.environ)
-    from recipes.workarounds.deepspeed import import_deepspeed_without_mlflow
+    try:  # this fork never returns into the first server's code (the first forks in its stead once it is gone)
+        seen = dict(os.environ)
+        from recipes.workarounds.deepspeed import import_deepspeed_without_mlflow
 
-    import_deepspeed_without_mlflow(logs_to_mlflow=False)
-    for name in DEEPSPEED_PRELOAD:
-        __import__(name)
-    import threading
-
-    if threading.active_count() != 1:
-        sys.stderr.write(f"prewarm: {threading.active_count()} Python threads after deepspeed's imports\n")
+        import_deepspeed_without_mlflow(logs_to_mlflow=False)
+        for name in DEEPSPEED_PRELOAD:
+            __import__(name)
+        ready_to_fork("deepspeed's imports")
+    except BaseException as e:
+        sys.stderr.write(f"prewarm: no DeepSpeed server: {e!r}\n")
         sys.stderr.flush()
         os._exit(1)
     set_by_imports = {**set_by_imports, **{k: v for k, v in os.environ.items() if seen.get(k) != v}}
-    freeze_imports()
     server = Server(shim, log, before, set_by_imports, handoffs=theirs)
     signal.signal(signal.SIGTERM, lambda sig, frame: server.stop())
-    server.serve()
+    server.serve()  # its forks leave through SystemExit, in become(), as the first server's do
     os._exit(0)
 
 
@@ -591,17 +597,11 @@ def main() -> None:
     if set(before) - set(os.environ):
         sys.exit(f"prewarm: the imports removed {sorted(set(before) - set(os.environ))}")
     set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}
-    import threading
-
     import torch
 
     if torch.cuda.is_available():
         sys.exit("prewarm: a GPU is visible; forks of a process that may have started CUDA are not served")
-    # Python threads only: the native ones these imports start (OpenBLAS's pool under numpy and scipy, pyarrow's
-    # jemalloc thread) stop and restart around fork() by their own atfork handlers, as for DataLoader's fork workers.
-    if threading.active_count() != 1:
-        sys.exit(f"prewarm: {threading.active_count()} Python threads after imports: a fork would copy their locks")
-    freeze_imports()
+    ready_to_fork("the imports")
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(path + ".tmp")
     listener.listen(128)
