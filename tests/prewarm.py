@@ -245,14 +245,14 @@ class Server:
     stands for, so that either knows the logical parent of a process the other's fork started."""
 
     def __init__(self, shim: str, log: str | None, base_env: dict, set_by_imports: dict, listener=None,
-                 handoffs=None):
+                 handoffs=None, deepspeed=None):
         self.base_env = base_env
         self.set_by_imports = set_by_imports
         self.shim = shim
         self.log = open(log, "a", buffering=1) if log else None
         self.listener = listener
         self.handoffs = handoffs
-        self.deepspeed = None  # the first server's: (pid, pair end) of the DeepSpeed server while it runs
+        self.deepspeed = deepspeed  # the first server's: (pid, pair end) of the DeepSpeed server while it runs
         self.told = b""     # what the DeepSpeed server has told, up to an unfinished line
         self.conns = {}     # fork pid -> connection to its shim
         self.shims = {}     # fork pid -> the shim's pid (the fork's stand-in in the process tree)
@@ -521,12 +521,20 @@ def stream_handlers() -> list:
     return [h for lg in loggers for h in lg.handlers if isinstance(h, logging.StreamHandler)]
 
 
-def parent_of(pid: int) -> int | None:
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of `pid` from /proc (state "Z": a zombie); None when it is gone. The shim reads the state
+    itself: it runs with `python -S` and imports nothing of the tests."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[1])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def parent_of(pid: int) -> int | None:
+    stat = proc_stat(pid)
+    return stat[1] if stat else None
 
 
 def ready_to_fork(what: str) -> None:
@@ -606,8 +614,7 @@ def main() -> None:
     listener.bind(path + ".tmp")
     listener.listen(128)
     deepspeed = start_deepspeed_server(shim, log, before, set_by_imports)
-    server = Server(shim, log, before, set_by_imports, listener=listener)
-    server.deepspeed = deepspeed
+    server = Server(shim, log, before, set_by_imports, listener=listener, deepspeed=deepspeed)
     signal.signal(signal.SIGTERM, lambda sig, frame: server.stop())
     os.rename(path + ".tmp", path)  # the socket appears once it accepts
     server.serve()

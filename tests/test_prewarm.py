@@ -100,10 +100,8 @@ def test_the_shim_waits_for_a_starting_server_and_only_for_one(tmp_path):
 
 def alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie, dead but not yet reaped by its new parent, does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
+    stat = prewarm.proc_stat(pid)
+    return stat is not None and stat[0] != "Z"
 
 
 def shim(*args: str, **kwargs) -> subprocess.Popen:
